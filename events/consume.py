@@ -1,0 +1,234 @@
+"""Consumer groups: blocking reads, acks, reclaiming idle entries, dead letters.
+
+A ``Consumer`` has a stable name (host + role + index), so a restart first re-reads
+its own pending entries, then takes over entries other consumers left idle for
+``claim_idle_ms`` (XAUTOCLAIM), then reads new ones. An entry whose fields cannot be
+decoded is dead-lettered at once; an entry delivered more than ``max_deliveries``
+times is dead-lettered with that reason; either way it is acked, so it never blocks
+the entries behind it and never crashes the consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import redis
+
+from events.connection import Guard, is_busygroup
+from events.errors import DecodeError, RedisCommandError
+from events.names import Keys
+from events.schema import Event, decode
+
+log = logging.getLogger(__name__)
+
+
+def stable_consumer_name(role: str, index: int = 0) -> str:
+    return f"{socket.gethostname()}-{role}-{index}"
+
+
+@dataclass
+class ConsumerConfig:
+    block_ms: int = 1000
+    count: int = 32
+    claim_idle_ms: int = 30_000
+    claim_every_ms: int = 1_000
+    max_deliveries: int = 5
+    start_id: str = "0"
+    auto_ack: bool = True
+
+
+@dataclass
+class Message:
+    stream: str
+    id: str
+    event: Event
+    deliveries: int
+    fields: dict[bytes, bytes] = field(repr=False)
+
+
+Handler = Callable[[Message], Any]
+
+
+class Consumer:
+    """One named consumer in one group of one stream."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, stream: str, group: str, name: str,
+                 config: ConsumerConfig | None = None, *, guard: Guard | None = None,
+                 decoder: Callable[[Any], Event] = decode) -> None:
+        self.client = client
+        self.keys = keys
+        self.stream = stream
+        self.group = group
+        self.name = name
+        self.config = config or ConsumerConfig()
+        self.guard = guard or Guard(client, name=f"consumer {group}/{name}")
+        self.decoder = decoder
+        self._recovering = True
+        self._last_claim = 0.0
+        self._group_ready = False
+        self.dead_lettered = 0
+
+    # --- group management -------------------------------------------------------------
+    def ensure_group(self) -> None:
+        """Create the group (idempotent) and register it as a reader the stream must keep entries for."""
+        def create(c: redis.Redis) -> None:
+            try:
+                c.xgroup_create(self.stream, self.group, id=self.config.start_id, mkstream=True)
+            except redis.ResponseError as exc:
+                if not is_busygroup(exc):
+                    raise
+            c.sadd(self.keys.registered_groups(self.stream), self.group)
+        self.guard.call(create)
+        self._group_ready = True
+
+    # --- reading ----------------------------------------------------------------------
+    def read(self, block_ms: int | None = None, count: int | None = None) -> list[Message]:
+        """The next entries for this consumer: own pending first, then idle ones of others, then new."""
+        if not self._group_ready:
+            self.ensure_group()
+        count = count or self.config.count
+        try:
+            return self._read(block_ms if block_ms is not None else self.config.block_ms, count)
+        except RedisCommandError as exc:
+            if "NOGROUP" in str(exc):
+                log.warning("group %s on %s is gone (Redis lost its data?); recreating", self.group, self.stream)
+                self._group_ready = False
+                self._recovering = True
+                return []
+            raise
+
+    def _read(self, block_ms: int, count: int) -> list[Message]:
+        if self._recovering:
+            raw = self._xreadgroup("0", count, None)
+            if raw:
+                return self._accept(raw, pending=True)
+            self._recovering = False
+        now = time.monotonic()
+        if (now - self._last_claim) * 1000 >= self.config.claim_every_ms:
+            self._last_claim = now
+            claimed = self._autoclaim(count)
+            if claimed:
+                return self._accept(claimed, pending=True)
+        raw = self._xreadgroup(">", count, block_ms)
+        return self._accept(raw, pending=False)
+
+    def _xreadgroup(self, start: str, count: int, block_ms: int | None) -> list[tuple[Any, Any]]:
+        reply = self.guard.call(lambda c: c.xreadgroup(
+            self.group, self.name, {self.stream: start}, count=count, block=block_ms))
+        if not reply:
+            return []
+        if isinstance(reply, dict):  # RESP3 shape: {stream: [[id, fields], ...]}
+            return [(e[0], e[1]) for entries in reply.values() for e in entries]
+        return [(e[0], e[1]) for e in reply[0][1]]
+
+    def _autoclaim(self, count: int) -> list[tuple[Any, Any]]:
+        reply = self.guard.call(lambda c: c.xautoclaim(
+            self.stream, self.group, self.name, min_idle_time=self.config.claim_idle_ms,
+            start_id="0-0", count=count))
+        entries = list(reply[1]) if reply else []
+        deleted = list(reply[2]) if reply and len(reply) > 2 else []
+        if deleted:  # trimmed away while pending: nothing left to process
+            self.guard.call(lambda c: c.xack(self.stream, self.group, *deleted))
+        return entries
+
+    def _deliveries(self, ids: list[str]) -> dict[str, int]:
+        rows = self.guard.call(lambda c: c.xpending_range(
+            self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.name))
+        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    def _accept(self, raw: list[tuple[Any, Any]], pending: bool) -> list[Message]:
+        ids = [_s(entry_id) for entry_id, _ in raw]
+        counts = self._deliveries(ids) if pending and ids else {}
+        out: list[Message] = []
+        for (_entry_id, fields), sid in zip(raw, ids, strict=True):
+            if fields is None:  # the entry was trimmed while pending
+                self.ack(sid)
+                continue
+            deliveries = counts.get(sid, 1)
+            if deliveries > self.config.max_deliveries:
+                self.dead_letter(sid, fields, f"delivered {deliveries} times (max {self.config.max_deliveries})",
+                                 deliveries)
+                continue
+            try:
+                event = self.decoder(fields)
+            except DecodeError as exc:
+                self.dead_letter(sid, fields, exc.reason, deliveries)
+                continue
+            out.append(Message(self.stream, sid, event, deliveries, fields))
+        return out
+
+    # --- acknowledging ------------------------------------------------------------------
+    def ack(self, *ids: str) -> None:
+        if ids:
+            self.guard.call(lambda c: c.xack(self.stream, self.group, *ids))
+
+    def dead_letter(self, entry_id: str, fields: Any, reason: str, deliveries: int) -> None:
+        """Move an entry to the dead-letter stream with its reason and ack it, atomically."""
+        log.warning("dead-lettering %s %s (group %s): %s", self.stream, entry_id, self.group, reason)
+        record = dead_letter_fields(self.stream, self.group, self.name, entry_id, fields, reason, deliveries)
+
+        def move(c: redis.Redis) -> None:
+            pipe = c.pipeline(transaction=True)
+            pipe.xadd(self.keys.dead_letters, record)  # type: ignore[arg-type]
+            pipe.xack(self.stream, self.group, entry_id)
+            pipe.execute()
+        self.guard.call(move)
+        self.dead_lettered += 1
+
+    # --- loops --------------------------------------------------------------------------
+    def process(self, handler: Handler, block_ms: int | None = None) -> int:
+        """Read once and hand each message to ``handler``; returns how many were handled.
+
+        A handler that raises leaves its entry pending: it is retried after ``claim_idle_ms``
+        and dead-lettered after ``max_deliveries``.
+        """
+        handled = 0
+        for msg in self.read(block_ms):
+            try:
+                handler(msg)
+            except Exception:
+                log.exception("handler failed on %s %s (delivery %d)", self.stream, msg.id, msg.deliveries)
+                continue
+            if self.config.auto_ack:
+                self.ack(msg.id)
+            handled += 1
+        return handled
+
+    def run(self, handler: Handler, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.process(handler)
+
+    def run_until_idle(self, handler: Handler, idle_block_ms: int = 50, max_rounds: int = 100_000) -> int:
+        """Process until a read comes back empty and nothing of ours is pending; for tests and drains."""
+        total = 0
+        for _ in range(max_rounds):
+            before_dead = self.dead_lettered
+            n = self.process(handler, block_ms=idle_block_ms)
+            total += n
+            if n == 0 and self.dead_lettered == before_dead and not self._recovering:
+                return total
+        return total
+
+
+def dead_letter_fields(stream: str, group: str, consumer: str, entry_id: str, fields: Any, reason: str,
+                       deliveries: int) -> dict[bytes, bytes]:
+    try:
+        raw = msgpack.packb(fields, use_bin_type=True)
+    except Exception:
+        raw = msgpack.packb(repr(fields), use_bin_type=True)
+    return {
+        b"source": stream.encode(), b"group": group.encode(), b"consumer": consumer.encode(),
+        b"entry_id": entry_id.encode(), b"reason": reason.encode(), b"deliveries": str(deliveries).encode(),
+        b"raw": raw, b"ts_ms": str(time.time_ns() // 1_000_000).encode(),
+    }
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

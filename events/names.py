@@ -1,0 +1,132 @@
+"""Every Redis stream, key and queue name of the project, in one place.
+
+All keys of one namespace share the Redis Cluster hash tag ``{namespace}`` so that
+keys touched together (a stream, its dedupe keys, its payloads) sit in one slot and
+can be used together in one Lua script or transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+DEFAULT_NAMESPACE = "default"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Validate a namespace, policy or group name used inside keys."""
+    if not _NAME_RE.match(value):
+        raise ValueError(f"{kind} {value!r} must be 1-64 characters of letters, digits, '_', '.' or '-'")
+    return value
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Names of every stream and key under one namespace."""
+
+    namespace: str = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        check_name("namespace", self.namespace)
+
+    @classmethod
+    def from_env(cls) -> Keys:
+        return cls(os.environ.get("ROLLOUT_BUS_NAMESPACE", DEFAULT_NAMESPACE))
+
+    @property
+    def prefix(self) -> str:
+        return f"rb:{{{self.namespace}}}"
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    # --- event streams ---------------------------------------------------------------
+    @property
+    def engine_stream(self) -> str:
+        """Engine lifecycle events, written by the controller."""
+        return self._k("stream", "engines")
+
+    @property
+    def weight_stream(self) -> str:
+        """WeightsPublished (trainers) and weight-update outcomes (controller)."""
+        return self._k("stream", "weights")
+
+    @property
+    def command_stream(self) -> str:
+        """Imperative commands to the controller (offload, onload)."""
+        return self._k("stream", "commands")
+
+    @property
+    def rollout_stream(self) -> str:
+        """Rollout request lifecycle events."""
+        return self._k("stream", "rollouts")
+
+    @property
+    def trainer_stream(self) -> str:
+        """Trainer events: joins, batches consumed, steps done."""
+        return self._k("stream", "trainers")
+
+    def batch_stream(self, policy: str) -> str:
+        """BatchReady events of one policy; one consumer group per trainer."""
+        return self._k("stream", "batches", check_name("policy", policy))
+
+    @property
+    def dead_letters(self) -> str:
+        return self._k("stream", "dead-letters")
+
+    def event_streams(self) -> list[str]:
+        return [self.engine_stream, self.weight_stream, self.command_stream, self.rollout_stream,
+                self.trainer_stream]
+
+    # --- keys ------------------------------------------------------------------------
+    def dedupe(self, stream: str, key: str) -> str:
+        """Idempotency key of one publish to ``stream``."""
+        return self._k("dedupe", stream.rsplit(":", 1)[-1], key)
+
+    def payload(self, ref: str) -> str:
+        return self._k("payload", ref)
+
+    def payload_readers(self, ref: str) -> str:
+        """Set of groups that still have to read the payload ``ref``."""
+        return self._k("payload-readers", ref)
+
+    @property
+    def payload_index(self) -> str:
+        """Sorted set of live payload refs by creation time (ms), for the orphan sweep."""
+        return self._k("payload-index")
+
+    def registered_groups(self, stream: str) -> str:
+        """Set of consumer groups that must read every entry of ``stream`` (retention, payloads)."""
+        return self._k("groups", stream.split(":", 2)[-1])
+
+    @property
+    def engine_registry(self) -> str:
+        """Hash engine_id -> msgpack record (url, state, versions, load), owned by the controller."""
+        return self._k("engines")
+
+    @property
+    def policy_registry(self) -> str:
+        """Hash policy -> msgpack record (published and serving versions)."""
+        return self._k("policies")
+
+    @property
+    def controller_lease(self) -> str:
+        return self._k("lease", "controller")
+
+    def data_cursor(self, policy: str, source: str) -> str:
+        """Saved state of one executor data source."""
+        return self._k("cursor", check_name("policy", policy), source)
+
+    def batch_done(self, batch_id: str) -> str:
+        return self._k("batch-done", batch_id)
+
+    # --- rq queues (rq adds its own ``rq:queue:`` prefix) -------------------------------
+    @property
+    def rollout_queue(self) -> str:
+        return f"rb.{self.namespace}.rollouts"
+
+    @property
+    def eval_queue(self) -> str:
+        return f"rb.{self.namespace}.eval"

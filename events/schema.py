@@ -1,0 +1,365 @@
+"""The wire schema of every event: typed, versioned, msgpack-encoded.
+
+An event is a frozen dataclass. On the wire it is one stream field, ``e``, holding a
+msgpack map of the common header (``event_id``, ``type``, ``schema_version``,
+``ts_ms``, ``producer``) and the event's own fields. ``decode`` checks the type, the
+schema version and every field's presence and type, and raises ``DecodeError``
+carrying the raw entry for anything else; no other exception escapes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+import typing
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, Union
+
+import msgpack
+
+from events.errors import DecodeError
+
+SCHEMA_VERSION = 1
+FIELD = b"e"
+MAX_EVENT_BYTES = 1 << 20
+
+E = TypeVar("E", bound="Event")
+_REGISTRY: dict[str, type[Event]] = {}
+
+
+@dataclass(frozen=True)
+class Producer:
+    role: str
+    instance: str
+
+    def __str__(self) -> str:
+        return f"{self.role}/{self.instance}"
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Common header; subclasses add their own fields."""
+
+    producer: Producer
+    event_id: str = field(default_factory=_new_id)
+    ts_ms: int = field(default_factory=_now_ms)
+    schema_version: ClassVar[int] = SCHEMA_VERSION
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[cls.__name__] = cls
+
+    @property
+    def type(self) -> str:
+        return type(self).__name__
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "schema_version": self.schema_version}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = {"role": value.role, "instance": value.instance} if f.name == "producer" else value
+        return out
+
+
+# --- engines ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLaunching(Event):
+    engine_id: str
+    url: str
+    backend: str
+    managed: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineReady(Event):
+    """The engine answers health checks; it still has to receive weights before serving."""
+
+    engine_id: str
+    url: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineServing(Event):
+    """The engine serves the latest weights of every policy and takes rollout traffic."""
+
+    engine_id: str
+    url: str
+    versions: dict[str, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineUnhealthy(Event):
+    engine_id: str
+    reason: str
+    failures: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRestarting(Event):
+    engine_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStopped(Event):
+    engine_id: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOffloaded(Event):
+    engine_id: str
+    tags: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOnloaded(Event):
+    engine_id: str
+    tags: list[str]
+
+
+# --- controller commands (imperative) -----------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadEngines(Event):
+    tags: list[str]
+    engine_ids: list[str] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnloadEngines(Event):
+    tags: list[str]
+    engine_ids: list[str] | None = None
+
+
+# --- weights -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsPublished(Event):
+    policy: str
+    version: int
+    uri: str
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightUpdateStarted(Event):
+    policy: str
+    version: int
+    engine_ids: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsApplied(Event):
+    policy: str
+    version: int
+    engine_id: str
+    duration_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightUpdateFailed(Event):
+    policy: str
+    version: int
+    engine_id: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightVersionServing(Event):
+    policy: str
+    version: int
+    engine_ids: list[str]
+
+
+# --- rollouts ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutRequested(Event):
+    policy: str
+    rollout_id: int
+    request_id: str
+    n_groups: int
+    n_samples_per_group: int
+    eval: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutStarted(Event):
+    policy: str
+    rollout_id: int
+    request_id: str
+    executor: str
+    attempt: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCompleted(Event):
+    policy: str
+    rollout_id: int
+    request_id: str
+    batch_id: str
+    n_samples: int
+    duration_ms: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutFailed(Event):
+    policy: str
+    rollout_id: int
+    request_id: str
+    reason: str
+    attempts: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchReady(Event):
+    """A sample batch is in the payload store; ``payload`` is its claim check."""
+
+    policy: str
+    batch_id: str
+    rollout_id: int
+    request_id: str
+    n_samples: int
+    min_weight_version: int
+    max_weight_version: int
+    bytes: int
+    payload: dict[str, Any]
+
+
+# --- trainers ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerJoined(Event):
+    policy: str
+    trainer_id: str
+    group: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConsumed(Event):
+    policy: str
+    batch_id: str
+    trainer_id: str
+    staleness: int
+    accepted: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainStepDone(Event):
+    policy: str
+    trainer_id: str
+    step: int
+    weight_version: int
+    metrics: dict[str, float]
+
+
+# --- encoding --------------------------------------------------------------------------------
+
+def event_types() -> dict[str, type[Event]]:
+    return dict(_REGISTRY)
+
+
+def encode(event: Event) -> dict[bytes, bytes]:
+    """Stream fields for ``event``."""
+    return {FIELD: msgpack.packb(event.to_dict(), use_bin_type=True)}
+
+
+def decode(fields: Any) -> Event:
+    """The event held by a stream entry's fields; ``DecodeError`` for anything malformed."""
+    try:
+        return _decode(fields)
+    except DecodeError:
+        raise
+    except Exception as exc:  # a decoder must never let a malformed entry escape as anything else
+        raise DecodeError(f"undecodable entry: {type(exc).__name__}: {exc}", fields) from None
+
+
+def decode_as(cls: type[E], fields: Any) -> E:
+    event = decode(fields)
+    if not isinstance(event, cls):
+        raise DecodeError(f"expected {cls.__name__}, got {event.type}", fields)
+    return event
+
+
+def _decode(fields: Any) -> Event:
+    if not isinstance(fields, dict):
+        raise DecodeError(f"entry fields must be a map, got {type(fields).__name__}", fields)
+    raw = fields.get(FIELD, fields.get(FIELD.decode()))
+    if raw is None:
+        raise DecodeError(f"entry has no {FIELD.decode()!r} field", fields)
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise DecodeError("event field is not bytes", fields)
+    if len(raw) > MAX_EVENT_BYTES:
+        raise DecodeError(f"event of {len(raw)} bytes exceeds the {MAX_EVENT_BYTES}-byte limit", fields)
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise DecodeError(f"not msgpack: {exc}", fields) from None
+    if not isinstance(data, dict):
+        raise DecodeError("event is not a msgpack map", fields)
+    type_name = data.get("type")
+    cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise DecodeError(f"unknown event type {type_name!r}", fields)
+    version = data.get("schema_version")
+    if version != cls.schema_version:
+        raise DecodeError(f"{type_name}: schema_version {version!r}, expected {cls.schema_version}", fields)
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise DecodeError(f"{type_name}: missing field {f.name!r}", fields)
+            continue
+        value = data[f.name]
+        if f.name == "producer":
+            value = _producer(value, str(type_name), fields)
+        elif not _conforms(value, hints[f.name]):
+            raise DecodeError(
+                f"{type_name}: field {f.name!r} has {type(value).__name__}, expected {hints[f.name]}", fields)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _producer(value: Any, type_name: str, fields: Any) -> Producer:
+    if (not isinstance(value, dict) or not isinstance(value.get("role"), str)
+            or not isinstance(value.get("instance"), str)):
+        raise DecodeError(f"{type_name}: producer must be {{role, instance}} strings", fields)
+    return Producer(value["role"], value["instance"])
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_conforms(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is dict:
+        key_t, val_t = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            _conforms(k, key_t) and _conforms(v, val_t) for k, v in value.items())
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return False
