@@ -1,0 +1,190 @@
+"""Engine backends and the one launch path they share.
+
+A backend only builds a command line from a ``LaunchSpec``; ``launch`` runs it as a
+process in its own session (so a signal to the controller's process group does not
+take the engines down with it, and a new controller can adopt them), writing its
+output to a log file. Stopping signals the engine's process group, so an engine that
+forks workers (sglang's scheduler and detokenizer) goes down whole. ``ProcessHandle`` works both for a child (``Popen``) and for an
+engine a previous controller started (known only by pid).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, ClassVar
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    engine_id: str
+    host: str
+    port: int
+    model_path: str
+    weight_version: int
+    python: str
+    extra_args: tuple[str, ...] = ()
+    token_delay_ms: float = 0.0
+    seed: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class Backend:
+    """Builds the command that starts one engine."""
+
+    name: ClassVar[str] = ""
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        raise NotImplementedError
+
+
+class CpuBackend(Backend):
+    """The project's CPU engine (``engine.server``) over the tiny torch LM."""
+
+    name = "cpu"
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        cmd = [spec.python, "-m", "engine.server", "--host", spec.host, "--port", str(spec.port),
+               "--model-path", spec.model_path, "--weight-version", str(spec.weight_version)]
+        if spec.token_delay_ms:
+            cmd += ["--token-delay-ms", f"{spec.token_delay_ms:g}"]
+        if spec.seed is not None:
+            cmd += ["--seed", str(spec.seed)]
+        return cmd + list(spec.extra_args)
+
+
+@dataclass
+class SglangBackend(Backend):
+    """``sglang.launch_server`` for GPU hosts; memory saver on so offload/onload work."""
+
+    name: ClassVar[str] = "sglang"
+    memory_saver: bool = True
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        cmd = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path,
+               "--host", spec.host, "--port", str(spec.port), "--weight-version", str(spec.weight_version)]
+        if self.memory_saver and "--enable-memory-saver" not in spec.extra_args:
+            cmd.append("--enable-memory-saver")
+        return cmd + list(spec.extra_args)
+
+
+def make_backend(name: str) -> Backend:
+    backends: dict[str, type[Backend]] = {"cpu": CpuBackend, "sglang": SglangBackend}
+    if name not in backends:
+        raise ValueError(f"unknown backend {name!r}; known: {sorted(backends)}")
+    return backends[name]()
+
+
+@dataclass
+class ProcessHandle:
+    """An engine process: our child (``popen``) or one adopted by pid."""
+
+    pid: int
+    popen: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return pid_alive(self.pid)
+
+    def signal(self, sig: int) -> None:
+        """Signal the engine's whole process group (it leads one: sglang's workers go with it)."""
+        if not self.alive():
+            return
+        try:
+            if os.getpgid(self.pid) == self.pid:
+                os.killpg(self.pid, sig)
+            elif self.popen is not None:
+                self.popen.send_signal(sig)
+            else:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM (and SIGCONT, so a stopped one can act on it), SIGKILL after ``grace_s``; waits until gone."""
+        self.signal(signal.SIGTERM)
+        self.signal(signal.SIGCONT)
+        if not await self._wait(grace_s):
+            log.warning("engine pid %d ignored SIGTERM for %.1fs: SIGKILL", self.pid, grace_s)
+            self.signal(signal.SIGKILL)
+            await self._wait(5.0)
+        self.close_log()
+
+    async def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        await self._wait(5.0)
+        self.close_log()
+
+    async def _wait(self, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.alive():
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, n_bytes: int = 2000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as f:
+            f.seek(max(0, self.log_path.stat().st_size - n_bytes))
+            return f.read().decode("utf-8", "replace")
+
+
+def launch(backend: Backend, spec: LaunchSpec, log_dir: Path) -> ProcessHandle:
+    """Start the engine described by ``spec``; its output goes to ``log_dir/<id>-<port>.log``."""
+    cmd = backend.command(spec)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.engine_id}-{spec.port}.log"
+    out = log_path.open("ab")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    log.info("launching %s: %s", spec.engine_id, " ".join(cmd))
+    popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             cwd=str(PROJECT_ROOT), env=env, start_new_session=True)
+    return ProcessHandle(pid=popen.pid, popen=popen, log_path=log_path, _log=out)
+
+
+def pid_alive(pid: int, port: int | None = None) -> bool:
+    """Whether ``pid`` runs (and is no zombie); with ``port``, whether its command line names that port.
+
+    The port check guards against adopting an unrelated process that reused the pid.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path(f"/proc/{pid}")
+    try:
+        stat = (proc / "stat").read_text()
+        if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+            return False
+        if port is not None:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            return str(port).encode() in args
+    except OSError:
+        return True
+    return True

@@ -1,0 +1,106 @@
+"""The controller's side of Redis: ordered announcements and its two command inputs.
+
+``events`` is synchronous (redis-py); the controller is asyncio. Every write (registry
+record, then event) runs on one dedicated thread, so writes leave in the order the
+controller made them and the event loop never blocks on Redis. Records are copied
+on the loop before they cross threads. Announcing writes the registry first, then the
+event: a reader that reacts to an event finds the registry already saying so.
+
+Blocking reads (``WeightsPublished`` and offload/onload commands) use their own
+threads through ``asyncio.to_thread`` with a short block, so stopping is prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import redis
+
+from events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
+from events.names import Keys
+from events.publish import Publisher
+from events.registry import EngineRecord, PolicyRecord, Registry
+from events.replay import page
+from events.schema import Event, Producer, decode
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+GROUP = "controller"
+
+
+class ControllerBus:
+    def __init__(self, client: redis.Redis, keys: Keys, producer: Producer, instance: str) -> None:
+        self.client = client
+        self.keys = keys
+        self.producer = producer
+        self.registry = Registry(client, keys)
+        self.publisher = Publisher(client, keys, producer)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="controller-redis")
+        # A long claim idle: one active controller per namespace owns these groups; a
+        # redelivered entry of its own that is still in flight is skipped by id.
+        config = ConsumerConfig(block_ms=200, count=16, claim_idle_ms=600_000, auto_ack=False)
+        name = stable_consumer_name(f"controller-{instance}")
+        self.weights = Consumer(client, keys, keys.weight_stream, GROUP, name, config)
+        self.commands = Consumer(client, keys, keys.command_stream, GROUP, name, config)
+
+    # --- writes, in order, off the loop -----------------------------------------------------
+    async def call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._writer, fn)
+
+    async def announce(self, stream: str, event: Event | None, record: EngineRecord | None = None) -> None:
+        snapshot = copy.deepcopy(record) if record is not None else None
+
+        def write() -> None:
+            if snapshot is not None:
+                self.registry.put_engine(snapshot)
+            if event is not None:
+                self.publisher.publish(stream, event)
+        await self.call(write)
+
+    async def engine(self, event: Event | None, record: EngineRecord | None = None) -> None:
+        """An engine event on the engine stream, with the engine's record written first."""
+        await self.announce(self.keys.engine_stream, event, record)
+
+    async def weights_event(self, event: Event, record: EngineRecord | None = None) -> None:
+        await self.announce(self.keys.weight_stream, event, record)
+
+    async def put_policy(self, record: PolicyRecord) -> None:
+        snapshot = copy.deepcopy(record)
+        await self.call(lambda: self.registry.put_policy(snapshot))
+
+    async def remove_engine(self, engine_id: str) -> None:
+        await self.call(lambda: self.registry.remove_engine(engine_id))
+
+    # --- reads ----------------------------------------------------------------------------
+    async def read_weights(self) -> list[Message]:
+        return await asyncio.to_thread(self.weights.read)
+
+    async def read_commands(self) -> list[Message]:
+        return await asyncio.to_thread(self.commands.read)
+
+    async def ack_weights(self, *ids: str) -> None:
+        await self.call(lambda: self.weights.ack(*ids))
+
+    async def ack_commands(self, *ids: str) -> None:
+        await self.call(lambda: self.commands.ack(*ids))
+
+    async def snapshot(self) -> tuple[list[Event], dict[str, EngineRecord], dict[str, PolicyRecord]]:
+        """The engine event log, the engine records and the policy records, as they are now."""
+        def read() -> tuple[list[Event], dict[str, EngineRecord], dict[str, PolicyRecord]]:
+            log_events: list[Event] = []
+            for entry_id, fields in page(self.client, self.keys.engine_stream):
+                try:
+                    log_events.append(decode(fields))
+                except Exception as exc:
+                    log.warning("skipping undecodable engine event %s: %s", entry_id, exc)
+            return log_events, self.registry.engines(), self.registry.policies()
+        return await self.call(read)
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)

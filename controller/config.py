@@ -1,0 +1,135 @@
+"""The controller's configuration: one validated dataclass, no heavy imports.
+
+``scripts/controller.py`` parses flags into a ``ControllerConfig`` before it imports
+anything that talks to Redis or engines, so ``--help`` and config errors are instant.
+``validate`` reports every problem at once; ``from_mapping`` rejects unknown keys with
+the closest known one as a hint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
+
+from events.errors import InvalidRequest
+from events.names import DEFAULT_NAMESPACE, check_name
+
+BackendName = Literal["cpu", "sglang"]
+PauseMode = Literal["abort", "retract", "in_place"]
+OffloadTag = Literal["weights", "kv_cache", "cuda_graph"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+OFFLOAD_TAGS: tuple[str, ...] = get_args(OffloadTag)
+
+
+class ConfigError(InvalidRequest):
+    """The configuration is invalid; the message lists every problem."""
+
+
+@dataclass
+class ControllerConfig:
+    """Everything one controller instance needs; see ``scripts/controller.py --help``."""
+
+    # --- where -----------------------------------------------------------------------
+    namespace: str = DEFAULT_NAMESPACE
+    redis_url: str | None = None
+    instance: str = field(default_factory=socket.gethostname)
+    # --- engines ---------------------------------------------------------------------
+    backend: str = "cpu"
+    num_engines: int = 1
+    model_path: str = ""
+    engine_host: str = "127.0.0.1"
+    engine_args: list[str] = field(default_factory=list)
+    token_delay_ms: float = 0.0
+    seed: int | None = None
+    initial_version: int = 0
+    adopt_urls: list[str] = field(default_factory=list)
+    python: str = sys.executable
+    log_dir: str | None = None
+    startup_timeout_s: float = 120.0
+    max_restart_attempts: int = 5
+    stop_engines_on_exit: bool = True
+    # --- health ----------------------------------------------------------------------
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 5.0
+    health_failure_threshold: int = 3
+    # --- weights ---------------------------------------------------------------------
+    weights_root: str = ""
+    base_policy: str = "default"
+    pause_mode: str = "retract"
+    update_timeout_s: float = 120.0
+    request_timeout_s: float = 30.0
+    # --- coordination and observability ------------------------------------------------
+    lease_ttl_s: float = 10.0
+    metrics_port: int | None = None
+
+    @property
+    def total_engines(self) -> int:
+        return self.num_engines + len(self.adopt_urls)
+
+    def validate(self) -> ControllerConfig:
+        """Return ``self`` or raise ``ConfigError`` naming every invalid setting."""
+        problems: list[str] = []
+        for kind, value in (("namespace", self.namespace), ("base_policy", self.base_policy)):
+            try:
+                check_name(kind, value)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if self.backend not in BACKENDS:
+            problems.append(f"backend {self.backend!r} is not one of {list(BACKENDS)}")
+        if self.pause_mode not in PAUSE_MODES:
+            problems.append(f"pause_mode {self.pause_mode!r} is not one of {list(PAUSE_MODES)}")
+        if self.num_engines < 0:
+            problems.append(f"num_engines must be >= 0, got {self.num_engines}")
+        if self.total_engines == 0:
+            problems.append("nothing to manage: give num_engines >= 1 or at least one adopt URL")
+        if self.num_engines > 0 and not self.model_path:
+            problems.append("model_path is required to launch engines")
+        elif self.num_engines > 0 and self.backend == "cpu" and not os.path.isdir(self.model_path):
+            problems.append(f"model_path {self.model_path!r} is not a directory (config.json + model.safetensors)")
+        if not self.weights_root:
+            problems.append("weights_root is required: weights outside it are refused")
+        for url in self.adopt_urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+                problems.append(f"adopt URL {url!r} must look like http://host:port")
+        if len(set(self.adopt_urls)) != len(self.adopt_urls):
+            problems.append("adopt URLs must be distinct")
+        for name in ("health_interval_s", "health_timeout_s", "startup_timeout_s", "update_timeout_s",
+                     "request_timeout_s", "lease_ttl_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.health_failure_threshold < 1:
+            problems.append(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}")
+        if self.max_restart_attempts < 0:
+            problems.append(f"max_restart_attempts must be >= 0, got {self.max_restart_attempts}")
+        if self.token_delay_ms < 0:
+            problems.append(f"token_delay_ms must be >= 0, got {self.token_delay_ms}")
+        if self.initial_version < 0:
+            problems.append(f"initial_version must be >= 0, got {self.initial_version}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            problems.append(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if not self.instance:
+            problems.append("instance must not be empty")
+        if problems:
+            raise ConfigError("invalid controller config:\n  - " + "\n  - ".join(problems))
+        return self
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any]) -> ControllerConfig:
+        """A validated config from a plain mapping; unknown keys are refused with a hint."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"unknown controller setting(s): {', '.join(hints)}")
+        return cls(**data).validate()

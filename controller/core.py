@@ -1,0 +1,90 @@
+"""State shared by the controller's parts: engines, versions, the bus, metrics, tasks.
+
+``Core.transition`` is the one place an engine changes state: it checks the move
+against the state machine, updates the metrics, and writes the engine's registry
+record and its event (record first). ``Core.operate`` is the per-engine critical
+section for anything that changes an engine (update, offload, restart); health
+results gathered across one are discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any
+
+from controller.bus import ControllerBus
+from controller.config import ControllerConfig
+from controller.metrics import ControllerMetrics
+from controller.state import EngineHandle
+from controller.versions import VersionBook
+from events.registry import EngineState, PolicyRecord
+from events.schema import Event, Producer
+
+log = logging.getLogger(__name__)
+
+
+class Core:
+    def __init__(self, config: ControllerConfig, bus: ControllerBus, metrics: ControllerMetrics,
+                 log_dir: Path) -> None:
+        self.config = config
+        self.bus = bus
+        self.metrics = metrics
+        self.log_dir = log_dir
+        self.producer: Producer = bus.producer
+        self.book = VersionBook()
+        self.engines: dict[str, EngineHandle] = {}
+        self.policies: dict[str, PolicyRecord] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ops: dict[str, int] = {}
+
+    # --- events and transitions -------------------------------------------------------------
+    def event(self, cls: type[Event], **fields: Any) -> Event:
+        return cls(producer=self.producer, **fields)
+
+    async def transition(self, h: EngineHandle, target: EngineState, event: Event | None) -> None:
+        previous = h.move(target)
+        log.info("engine %s: %s -> %s", h.engine_id, previous.value, target.value)
+        self.refresh_state_metrics()
+        await self.bus.engine(event, h.record)
+
+    async def save(self, h: EngineHandle, event: Event | None = None) -> None:
+        """Write the engine's record (and an event) without a state change."""
+        await self.bus.engine(event, h.record)
+
+    def refresh_state_metrics(self) -> None:
+        self.metrics.set_states(h.state for h in self.engines.values())
+
+    # --- views --------------------------------------------------------------------------------
+    def serving(self) -> list[EngineHandle]:
+        return [h for h in self.engines.values() if h.state == EngineState.SERVING]
+
+    def ops(self, h: EngineHandle) -> int:
+        return self._ops.get(h.engine_id, 0)
+
+    @contextlib.asynccontextmanager
+    async def operate(self, h: EngineHandle) -> AsyncIterator[None]:
+        async with h.lock:
+            self._ops[h.engine_id] = self._ops.get(h.engine_id, 0) + 1
+            yield
+
+    # --- background tasks -----------------------------------------------------------------------
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("controller task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def cancel_tasks(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

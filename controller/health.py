@@ -1,0 +1,71 @@
+"""Health checks: every engine at once, each bounded by one timeout.
+
+A sweep runs ``/health_generate`` on all engines concurrently (``asyncio.gather``), so
+its duration is that of the slowest check, at most ``timeout_s``: 32 engines with one
+hung take about one timeout, not 32. A healthy engine's load (running + queued
+requests from ``/server_info``) is read in the same task, best effort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.http_client import EngineClient, EngineHTTPError
+
+
+@dataclass(frozen=True)
+class HealthResult:
+    engine_id: str
+    ok: bool
+    latency_s: float
+    reason: str = ""
+    load: int | None = None
+
+
+def load_of(server_info: Mapping[str, Any]) -> int | None:
+    """Running + queued requests from ``/server_info`` (``internal_states`` list or dict)."""
+    states = server_info.get("internal_states")
+    if isinstance(states, dict):
+        states = [states]
+    if not isinstance(states, list):
+        return None
+    total, seen = 0, False
+    for state in states:
+        if not isinstance(state, dict):
+            continue
+        for key in ("num_running_reqs", "running", "num_queue_reqs", "queued", "num_waiting_reqs"):
+            value = state.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                total += value
+                seen = True
+    return total if seen else None
+
+
+async def check_engine(engine_id: str, client: EngineClient, timeout_s: float, *,
+                       with_load: bool = False) -> HealthResult:
+    started = time.perf_counter()
+    try:
+        await client.health_generate(timeout_s=timeout_s)
+    except EngineHTTPError as exc:
+        return HealthResult(engine_id, False, time.perf_counter() - started, exc.message if exc.status == 0
+                            else f"HTTP {exc.status}: {exc.message}")
+    latency = time.perf_counter() - started
+    load = None
+    if with_load:
+        try:
+            load = load_of(await client.server_info(timeout_s=timeout_s))
+        except EngineHTTPError:
+            load = None
+    return HealthResult(engine_id, True, latency, load=load)
+
+
+async def sweep(clients: Mapping[str, EngineClient], timeout_s: float, *,
+                with_load: bool = False) -> list[HealthResult]:
+    """Check every engine concurrently; results in the order of ``clients``."""
+    return list(await asyncio.gather(*(
+        check_engine(engine_id, client, timeout_s, with_load=with_load)
+        for engine_id, client in clients.items())))

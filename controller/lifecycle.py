@@ -1,0 +1,202 @@
+"""Engine lifecycles: launch, bring-up, failure, restart, adoption, stop.
+
+Bring-up is the only road into ``serving`` for a new, restarted or recovered engine:
+it waits until the engine answers ``/health_generate`` (``EngineReady``), pushes the
+target weights of every policy, and only then announces ``EngineServing``. A failure
+anywhere makes the engine ``unhealthy``; a launched engine is then restarted (with
+backoff, up to ``max_restart_attempts``), an adopted one waits until it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from urllib.parse import urlsplit
+
+from controller.backends import Backend, LaunchSpec, ProcessHandle, launch
+from controller.core import Core
+from controller.state import EngineHandle
+from controller.updates import WeightUpdater
+from controller.versions import engine_versions
+from engine.http_client import EngineClient, EngineHTTPError
+from events.embedded import free_port
+from events.registry import EngineRecord, EngineState
+from events.schema import (
+    EngineLaunching,
+    EngineReady,
+    EngineRestarting,
+    EngineServing,
+    EngineStopped,
+    EngineUnhealthy,
+)
+
+log = logging.getLogger(__name__)
+S = EngineState
+
+
+def adopted_engine_id(url: str) -> str:
+    parts = urlsplit(url)
+    return f"adopted-{parts.hostname}-{parts.port}"
+
+
+class Lifecycle:
+    def __init__(self, core: Core, backend: Backend, updater: WeightUpdater) -> None:
+        self.core = core
+        self.backend = backend
+        self.updater = updater
+
+    def new_handle(self, engine_id: str, url: str, *, managed: bool, state: EngineState = S.LAUNCHING,
+                   process: ProcessHandle | None = None) -> EngineHandle:
+        cfg = self.core.config
+        record = EngineRecord(engine_id=engine_id, url=url, state=state,
+                              backend=cfg.backend if managed else "external", managed=managed,
+                              pause_mode=cfg.pause_mode, pid=process.pid if process else None)
+        handle = EngineHandle(record, EngineClient(url, timeout_s=cfg.request_timeout_s), process)
+        self.core.engines[engine_id] = handle
+        self.core.refresh_state_metrics()
+        return handle
+
+    # --- launching ---------------------------------------------------------------------------
+    def _spawn_process(self, engine_id: str) -> tuple[ProcessHandle, str]:
+        cfg = self.core.config
+        spec = LaunchSpec(engine_id=engine_id, host=cfg.engine_host, port=free_port(), model_path=cfg.model_path,
+                          weight_version=cfg.initial_version, python=cfg.python,
+                          extra_args=tuple(cfg.engine_args), token_delay_ms=cfg.token_delay_ms, seed=cfg.seed)
+        return launch(self.backend, spec, self.core.log_dir), spec.url
+
+    async def launch(self, engine_id: str) -> EngineHandle:
+        """Start a new engine and bring it up; returns its handle whatever the outcome."""
+        process, url = self._spawn_process(engine_id)
+        h = self.new_handle(engine_id, url, managed=True, process=process)
+        async with self.core.operate(h):
+            await self.core.save(h, self.core.event(
+                EngineLaunching, engine_id=engine_id, url=h.record.url, backend=h.record.backend, managed=True))
+            ok = await self.bring_up(h)
+        if not ok:
+            self.core.spawn(self.restart(h), f"restart-{engine_id}")
+        return h
+
+    async def introduce(self, url: str) -> EngineHandle:
+        """Take over an engine someone else launched (an adopt URL seen for the first time)."""
+        h = self.new_handle(adopted_engine_id(url), url, managed=False)
+        async with self.core.operate(h):
+            await self.core.save(h, self.core.event(
+                EngineLaunching, engine_id=h.engine_id, url=url, backend="external", managed=False))
+            await self.bring_up(h)
+        return h
+
+    # --- bring-up ----------------------------------------------------------------------------
+    async def _wait_ready(self, h: EngineHandle) -> str | None:
+        """None once the engine answers ``/health_generate``; else why it never did."""
+        cfg = self.core.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.startup_timeout_s
+        last = "no answer yet"
+        while loop.time() < deadline:
+            if h.process_dead():
+                tail = h.process.log_tail() if h.process else ""
+                return f"engine process exited during startup: {tail[-500:]}"
+            try:
+                await h.client.health_generate(timeout_s=cfg.health_timeout_s)
+                return None
+            except EngineHTTPError as exc:
+                last = exc.message
+            await asyncio.sleep(0.1)
+        return f"not ready after {cfg.startup_timeout_s:g}s: {last}"
+
+    async def bring_up(self, h: EngineHandle, *, wait: bool = True) -> bool:
+        """launching/unhealthy/offloaded -> pending_weights -> serving; the caller holds the lock."""
+        if wait:
+            problem = await self._wait_ready(h)
+            if problem is not None:
+                await self._mark_unhealthy(h, problem)
+                return False
+        if h.state != S.PENDING_WEIGHTS:
+            await self.core.transition(h, S.PENDING_WEIGHTS,
+                                       self.core.event(EngineReady, engine_id=h.engine_id, url=h.record.url))
+        try:
+            await h.client.continue_generation(timeout_s=self.core.config.request_timeout_s)
+            info = await h.client.model_info(timeout_s=self.core.config.request_timeout_s)
+        except EngineHTTPError as exc:
+            await self._mark_unhealthy(h, f"engine stopped answering after it was ready: {exc.message}")
+            return False
+        h.record.versions = engine_versions(info, self.core.config.base_policy)
+        outcome = await self.updater.catch_up(h)
+        if outcome is not None:
+            await self._mark_unhealthy(h, f"could not load the latest weights: {outcome.reason}")
+            return False
+        h.failures = 0
+        h.restart_attempts = 0
+        await self.core.transition(h, S.SERVING, self.core.event(
+            EngineServing, engine_id=h.engine_id, url=h.record.url, versions=dict(h.record.versions)))
+        for policy in self.core.book.targets():
+            self.updater.wake(policy)
+        return True
+
+    async def _mark_unhealthy(self, h: EngineHandle, reason: str) -> None:
+        log.warning("engine %s unhealthy: %s", h.engine_id, reason)
+        await self.core.transition(h, S.UNHEALTHY, self.core.event(
+            EngineUnhealthy, engine_id=h.engine_id, reason=reason[:2000], failures=h.failures))
+
+    # --- failure and restart -------------------------------------------------------------------
+    async def fail(self, h: EngineHandle, reason: str) -> None:
+        """Take a failing engine out of serving; restart it when we launched it."""
+        async with self.core.operate(h):
+            if h.state in (S.UNHEALTHY, S.RESTARTING, S.STOPPED):
+                return
+            await self._mark_unhealthy(h, reason)
+        if h.managed:
+            await self.restart(h)
+
+    async def restart(self, h: EngineHandle) -> None:
+        """Stop the old process, then restarting -> launching -> (bring-up); retried with backoff."""
+        cfg = self.core.config
+        while True:
+            async with self.core.operate(h):
+                if h.state != S.UNHEALTHY or not h.managed:
+                    return
+                if h.restart_attempts >= cfg.max_restart_attempts:
+                    await self._stop_locked(h, f"gave up after {h.restart_attempts} restart attempts", kill=True)
+                    return
+                h.restart_attempts += 1
+                if h.process is not None:
+                    await h.process.stop(grace_s=2.0)
+                if h.restart_attempts > 1:
+                    await asyncio.sleep(min(0.5 * 2 ** (h.restart_attempts - 2), 10.0))
+                await self.core.transition(h, S.RESTARTING, self.core.event(
+                    EngineRestarting, engine_id=h.engine_id, attempt=h.restart_attempts))
+                self.core.metrics.engine_restarts.inc()
+                try:
+                    h.process, h.record.url = self._spawn_process(h.engine_id)
+                except OSError as exc:
+                    await self._mark_unhealthy(h, f"relaunch failed: {exc}")
+                    continue
+                h.record.pid = h.process.pid
+                h.record.versions = {}
+                h.client = EngineClient(h.record.url, timeout_s=cfg.request_timeout_s)
+                await self.core.transition(h, S.LAUNCHING, self.core.event(
+                    EngineLaunching, engine_id=h.engine_id, url=h.record.url, backend=h.record.backend,
+                    managed=True))
+                if await self.bring_up(h):
+                    return
+
+    async def recover(self, h: EngineHandle) -> None:
+        """An adopted engine answers again: re-apply the latest weights, then serve."""
+        async with self.core.operate(h):
+            if h.state != S.UNHEALTHY:
+                return
+            log.info("adopted engine %s answers again", h.engine_id)
+            await self.bring_up(h, wait=False)
+
+    # --- stopping ------------------------------------------------------------------------------
+    async def stop(self, h: EngineHandle, reason: str, *, kill: bool) -> None:
+        async with self.core.operate(h):
+            await self._stop_locked(h, reason, kill=kill)
+
+    async def _stop_locked(self, h: EngineHandle, reason: str, *, kill: bool) -> None:
+        if h.state == S.STOPPED:
+            return
+        if kill and h.managed and h.process is not None:
+            await h.process.stop(grace_s=5.0)
+        await self.core.transition(h, S.STOPPED, self.core.event(EngineStopped, engine_id=h.engine_id,
+                                                                  reason=reason))

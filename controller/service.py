@@ -1,0 +1,371 @@
+"""The InferenceController service: miles' controller, speaking only through Redis.
+
+Lifecycle: ``start()`` rebuilds the view (engine event log + registry + each engine's
+``/model_info``), adopts live engines, replaces dead ones it launched, launches the
+missing ones, then runs three loops: health sweeps, ``WeightsPublished`` intake and
+offload/onload commands. ``stop()`` ends the loops and, unless told to keep them,
+stops the engines it launched. Only one instance per namespace should be started:
+``controller.runner`` holds the lease that ensures it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import redis
+
+from controller.backends import ProcessHandle, make_backend, pid_alive
+from controller.bus import ControllerBus
+from controller.config import OFFLOAD_TAGS, ControllerConfig
+from controller.core import Core
+from controller.health import sweep
+from controller.lifecycle import Lifecycle, adopted_engine_id
+from controller.metrics import ControllerMetrics
+from controller.recovery import KnownEngine, fold_engine_log, merge_registry
+from controller.state import EngineHandle
+from controller.updates import WeightUpdater
+from controller.versions import Target, engine_versions
+from controller.weights import BadWeights, verify
+from engine.http_client import EngineClient, EngineHTTPError, close_shared_session
+from events.errors import InvalidRequest
+from events.names import Keys
+from events.registry import EngineState, PolicyRecord
+from events.schema import (
+    EngineOffloaded,
+    EngineOnloaded,
+    EngineServing,
+    EngineUnhealthy,
+    OffloadEngines,
+    OnloadEngines,
+    Producer,
+    WeightsPublished,
+)
+
+log = logging.getLogger(__name__)
+S = EngineState
+
+
+class InferenceController:
+    # configuration
+    config: ControllerConfig
+    # wiring, built in __init__
+    core: Core
+    updater: WeightUpdater
+    lifecycle: Lifecycle
+    # running
+    metrics_port: int | None
+    _loops: list[asyncio.Task[None]]
+    _stopping: asyncio.Event | None
+
+    def __init__(self, config: ControllerConfig, client: redis.Redis, *,
+                 metrics: ControllerMetrics | None = None) -> None:
+        self.config = config.validate()
+        keys = Keys(config.namespace)
+        producer = Producer("controller", f"{config.instance}-{os.getpid()}")
+        bus = ControllerBus(client, keys, producer, config.instance)
+        log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix=f"rollout-bus-engines-{config.namespace}-"))
+        self.core = Core(config, bus, metrics or ControllerMetrics(), log_dir)
+        self.lifecycle = Lifecycle(self.core, make_backend(config.backend), WeightUpdater(self.core, self._failed))
+        self.updater = self.lifecycle.updater
+        self.metrics_port = None
+        self._loops = []
+        self._stopping = None
+
+    @property
+    def engines(self) -> dict[str, EngineHandle]:
+        return self.core.engines
+
+    # --- start / stop -------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self._stopping = asyncio.Event()
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.core.metrics.serve(cfg.metrics_port)
+        self.updater.load_reference()
+        log_events, records, policies = await self.core.bus.snapshot()
+        await self._seed_versions(policies)
+        known = merge_registry(fold_engine_log(log_events), records)
+        await self._reconcile_engines(known)
+        self.updater.wake_all()
+        self._loops = [asyncio.create_task(self._forever(name, loop), name=name) for name, loop in (
+            ("health", self._health_loop), ("weights", self._weights_loop), ("commands", self._commands_loop))]
+        log.info("controller up: %d engines (%s)", len(self.engines),
+                 ", ".join(f"{h.engine_id}={h.state.value}" for h in self.engines.values()))
+
+    async def stop(self, *, stop_engines: bool | None = None) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        await self.core.cancel_tasks()
+        if self.config.stop_engines_on_exit if stop_engines is None else stop_engines:
+            await asyncio.gather(*(self.lifecycle.stop(h, "controller shut down", kill=True)
+                                   for h in self.engines.values() if h.managed and h.state != S.STOPPED))
+        for h in self.engines.values():
+            if h.process is not None:
+                h.process.close_log()
+        self.core.bus.close()
+        self.core.metrics.close()
+        await close_shared_session()
+
+    async def wait_serving(self, timeout_s: float = 60.0, count: int | None = None) -> None:
+        """Until ``count`` engines (default: all expected) serve; for scripts and tests."""
+        want = self.config.total_engines if count is None else count
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while len(self.core.serving()) < want:
+            if loop.time() > deadline:
+                states = {h.engine_id: h.state.value for h in self.engines.values()}
+                raise TimeoutError(f"{want} serving engines not reached in {timeout_s}s: {states}")
+            await asyncio.sleep(0.05)
+
+    # --- rebuilding the view ------------------------------------------------------------------
+    async def _seed_versions(self, policies: dict[str, PolicyRecord]) -> None:
+        cfg = self.config
+        self.core.book.seed(cfg.base_policy, cfg.initial_version)
+        for policy, record in policies.items():
+            self.core.policies[policy] = record
+            if record.published < 0 or not record.uri:
+                continue
+            try:
+                target: Target | None = await asyncio.to_thread(
+                    verify, policy, record.published, record.uri, record.sha256, Path(cfg.weights_root),
+                    self.updater.reference)
+            except BadWeights as exc:
+                log.warning("policy %s v%d from the registry is unusable now: %s", policy, record.published,
+                            exc.reason)
+                target = None
+            self.core.book.seed(policy, record.published, target, proven=record.serving == record.published)
+
+    async def _reconcile_engines(self, known: dict[str, KnownEngine]) -> None:
+        cfg = self.config
+        expected = {f"engine-{i}" for i in range(cfg.num_engines)}
+        adopt_ids = {adopted_engine_id(url): url for url in cfg.adopt_urls}
+        probes = await asyncio.gather(*(self._probe(k) for k in known.values()))
+        tasks = []
+        for engine, info in zip(known.values(), probes, strict=True):
+            wanted = engine.engine_id in (expected if engine.managed else adopt_ids)
+            tasks.append(self._take_over(engine, info, wanted))
+        await asyncio.gather(*tasks)
+        launches = [self.lifecycle.launch(i) for i in sorted(expected - set(self.engines))]
+        launches += [self.lifecycle.introduce(url) for eid, url in adopt_ids.items() if eid not in self.engines]
+        await asyncio.gather(*launches)
+
+    async def _probe(self, engine: KnownEngine) -> dict[str, object] | None:
+        try:
+            return await EngineClient(engine.url).model_info(timeout_s=self.config.health_timeout_s)
+        except EngineHTTPError:
+            return None
+
+    async def _take_over(self, engine: KnownEngine, info: dict[str, object] | None, wanted: bool) -> None:
+        """Adopt a live engine from the view, replace a dead one, retire an unwanted one."""
+        port = EngineClient(engine.url).url.rsplit(":", 1)[-1]
+        process = None
+        if engine.managed and engine.pid is not None and pid_alive(engine.pid, int(port) if port.isdigit() else None):
+            process = ProcessHandle(engine.pid)
+        state = engine.state if engine.state != S.STOPPED else S.UNHEALTHY
+        h = self.lifecycle.new_handle(engine.engine_id, engine.url, managed=engine.managed, state=state,
+                                      process=process)
+        h.record.backend = engine.backend
+        h.record.versions = dict(engine.versions)
+        h.record.offloaded_tags = list(engine.offloaded_tags)
+        if not wanted:
+            await self.lifecycle.stop(h, "no longer in the controller's configuration", kill=True)
+            return
+        alive = info is not None and (not engine.managed or process is not None)
+        if not alive:
+            if process is not None:
+                await process.kill()  # launched by us, alive but not answering: replace it
+            if h.state == S.RESTARTING:
+                await self._interrupted(h)
+            if h.state == S.UNHEALTHY:
+                if h.managed:
+                    await self.lifecycle.restart(h)
+            else:
+                await self.lifecycle.fail(h, "not answering when a new controller took over")
+            return
+        assert info is not None
+        h.record.versions = engine_versions(info, self.config.base_policy)
+        log.info("adopting live engine %s at %s (pid %s)", h.engine_id, h.record.url, h.record.pid)
+        if h.state in (S.SERVING, S.OFFLOADED):
+            if h.state == S.SERVING:
+                try:  # the previous controller may have died between pause and continue
+                    await h.client.continue_generation(timeout_s=self.config.request_timeout_s)
+                except EngineHTTPError as exc:
+                    await self.lifecycle.fail(h, f"continue_generation failed on adoption: {exc.message}")
+                    return
+            await self.core.save(h)
+            return
+        if h.state in (S.UNHEALTHY, S.RESTARTING):
+            if h.state == S.RESTARTING:
+                await self._interrupted(h)
+            await self.lifecycle.recover(h)
+            return
+        async with self.core.operate(h):
+            await self.lifecycle.bring_up(h, wait=False)
+
+    async def _interrupted(self, h: EngineHandle) -> None:
+        await self.core.transition(h, S.UNHEALTHY, self.core.event(
+            EngineUnhealthy, engine_id=h.engine_id, reason="restart interrupted by a controller change", failures=0))
+
+    # --- loops -------------------------------------------------------------------------------
+    async def _forever(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run a loop; if it fails (Redis gone past the reconnect budget, a bug), log and start it again."""
+        while True:
+            try:
+                await loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("controller %s loop failed; restarting it in 1s", name)
+                await asyncio.sleep(1.0)
+
+    async def _health_loop(self) -> None:
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.health_interval_s)
+            await self.health_sweep()
+
+    async def health_sweep(self) -> None:
+        """Check every serving engine (and every adopted unhealthy one) concurrently, once."""
+        cfg = self.config
+        candidates = {h.engine_id: h for h in self.engines.values()
+                      if not h.busy and (h.state == S.SERVING or (h.state == S.UNHEALTHY and not h.managed))}
+        for h in list(candidates.values()):
+            if h.state == S.SERVING and h.process_dead():
+                del candidates[h.engine_id]
+                self.core.spawn(self._failed(h, f"engine process {h.record.pid} exited"), f"fail-{h.engine_id}")
+        ops = {eid: self.core.ops(h) for eid, h in candidates.items()}
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        results = await sweep({eid: h.client for eid, h in candidates.items()}, cfg.health_timeout_s,
+                              with_load=True)
+        self.core.metrics.health_sweep_seconds.observe(loop.time() - started)
+        for result in results:
+            h = candidates[result.engine_id]
+            self.core.metrics.health_check_seconds.labels("ok" if result.ok else "failed").observe(
+                result.latency_s)
+            if h.busy or self.core.ops(h) != ops[result.engine_id]:
+                continue  # an update or offload ran meanwhile: this result says nothing
+            if result.ok:
+                h.failures = 0
+                if h.state == S.UNHEALTHY:
+                    self.core.spawn(self.lifecycle.recover(h), f"recover-{h.engine_id}")
+                elif result.load is not None and result.load != h.record.load:
+                    h.record.load = result.load
+                    await self.core.save(h)
+                continue
+            if h.state != S.SERVING:
+                continue
+            h.failures += 1
+            log.warning("engine %s failed a health check (%d/%d): %s", h.engine_id, h.failures,
+                        cfg.health_failure_threshold, result.reason)
+            if h.failures >= cfg.health_failure_threshold or h.process_dead():
+                self.core.spawn(self._failed(h, f"health check failed {h.failures} times: {result.reason}"),
+                                f"fail-{h.engine_id}")
+
+    async def _failed(self, h: EngineHandle, reason: str) -> None:
+        await self.lifecycle.fail(h, reason)
+
+    async def _weights_loop(self) -> None:
+        while True:
+            messages = await self.core.bus.read_weights()
+            fresh = [m for m in messages if m.id not in self.updater.inflight]
+            if messages and not fresh:
+                await asyncio.sleep(0.2)  # only our own in-flight entries came back
+            for msg in fresh:
+                if not isinstance(msg.event, WeightsPublished):
+                    await self.core.bus.ack_weights(msg.id)
+                    continue
+                self.updater.inflight.add(msg.id)
+                await self.updater.submit(msg.event, msg.id)
+
+    async def _commands_loop(self) -> None:
+        while True:
+            for msg in await self.core.bus.read_commands():
+                event = msg.event
+                try:
+                    if isinstance(event, OffloadEngines):
+                        await self.offload(event.tags, event.engine_ids)
+                    elif isinstance(event, OnloadEngines):
+                        await self.onload(event.tags, event.engine_ids)
+                except InvalidRequest as exc:
+                    log.warning("ignoring command %s: %s", msg.id, exc)
+                await self.core.bus.ack_commands(msg.id)
+
+    # --- offload / onload -------------------------------------------------------------------------
+    def _targets(self, tags: Sequence[str], engine_ids: Sequence[str] | None) -> list[EngineHandle]:
+        unknown = sorted(set(tags) - set(OFFLOAD_TAGS))
+        if unknown or not tags:
+            raise InvalidRequest(f"tags must be a non-empty subset of {list(OFFLOAD_TAGS)}, got {list(tags)}")
+        if engine_ids is None:
+            return list(self.engines.values())
+        missing = sorted(set(engine_ids) - set(self.engines))
+        if missing:
+            raise InvalidRequest(f"unknown engines {missing}")
+        return [self.engines[e] for e in engine_ids]
+
+    async def offload(self, tags: Sequence[str], engine_ids: Sequence[str] | None = None) -> dict[str, str]:
+        """Release engine memory by tag; engines go ``offloaded`` and leave the serving set."""
+        targets = self._targets(tags, engine_ids)
+        results = await asyncio.gather(*(self._offload_one(h, list(tags)) for h in targets))
+        return dict(zip((h.engine_id for h in targets), results, strict=True))
+
+    async def onload(self, tags: Sequence[str], engine_ids: Sequence[str] | None = None) -> dict[str, str]:
+        """Resume engine memory by tag; with nothing left released, an engine serves again."""
+        targets = self._targets(tags, engine_ids)
+        results = await asyncio.gather(*(self._onload_one(h, list(tags)) for h in targets))
+        return dict(zip((h.engine_id for h in targets), results, strict=True))
+
+    async def _offload_one(self, h: EngineHandle, tags: list[str]) -> str:
+        async with self.core.operate(h):
+            if h.state not in (S.SERVING, S.OFFLOADED):
+                return f"skipped: engine is {h.state.value}"
+            try:
+                await h.client.release_memory_occupation(tags, timeout_s=self.config.request_timeout_s)
+            except EngineHTTPError as exc:
+                if exc.rejected:
+                    return f"refused: {exc.message}"
+                problem = f"release_memory_occupation failed: {exc.message}"
+            else:
+                h.record.offloaded_tags = sorted(set(h.record.offloaded_tags) | set(tags))
+                event = self.core.event(EngineOffloaded, engine_id=h.engine_id, tags=tags)
+                if h.state == S.SERVING:
+                    await self.core.transition(h, S.OFFLOADED, event)
+                else:
+                    await self.core.save(h, event)
+                return "ok"
+        await self.lifecycle.fail(h, problem)
+        return problem
+
+    async def _onload_one(self, h: EngineHandle, tags: list[str]) -> str:
+        async with self.core.operate(h):
+            if h.state != S.OFFLOADED:
+                return f"skipped: engine is {h.state.value}"
+            try:
+                await h.client.resume_memory_occupation(tags, timeout_s=self.config.request_timeout_s)
+            except EngineHTTPError as exc:
+                if exc.rejected:
+                    return f"refused: {exc.message}"
+                problem = f"resume_memory_occupation failed: {exc.message}"
+            else:
+                h.record.offloaded_tags = sorted(set(h.record.offloaded_tags) - set(tags))
+                await self.core.save(h, self.core.event(EngineOnloaded, engine_id=h.engine_id, tags=tags))
+                if h.record.offloaded_tags:
+                    return "ok"
+                outcome = await self.updater.catch_up(h)
+                if outcome is None:
+                    await self.core.transition(h, S.SERVING, self.core.event(
+                        EngineServing, engine_id=h.engine_id, url=h.record.url, versions=dict(h.record.versions)))
+                    for policy in self.core.book.targets():
+                        self.updater.wake(policy)
+                    return "ok"
+                problem = f"could not load the latest weights after onload: {outcome.reason}"
+        await self.lifecycle.fail(h, problem)
+        return problem

@@ -1,0 +1,85 @@
+"""Helpers for driving a controller from tests, benchmarks and demos.
+
+Writing a new weights version next to a model (a perturbed copy, written with
+``safetensors.numpy`` so no torch is needed), publishing ``WeightsPublished`` the way a
+trainer does, and reading the controller's event streams back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from events.names import Keys
+from events.publish import Publisher
+from events.schema import Event, Producer, WeightsPublished, decode
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.05,
+                  shape_change: bool = False) -> tuple[Path, str]:
+    """A copy of the weights in ``base_dir`` with noise added; returns (directory, sha256 of the file).
+
+    ``shape_change`` drops the last row of every 2-d tensor: weights that must be refused.
+    """
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(base_dir / WEIGHTS_FILE))
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        noisy = value + rng.normal(0.0, scale, value.shape).astype(value.dtype)
+        if shape_change and noisy.ndim == 2:
+            noisy = noisy[:-1]
+        out[name] = np.ascontiguousarray(noisy)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(base_dir / CONFIG_FILE, out_dir / CONFIG_FILE)
+    save_file(out, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out_dir, file_sha256(out_dir / WEIGHTS_FILE)
+
+
+def publish_weights(client: redis.Redis, keys: Keys, policy: str, version: int, uri: str, sha256: str,
+                    trainer: str = "test") -> WeightsPublished:
+    event = WeightsPublished(producer=Producer("trainer", trainer), policy=policy, version=version, uri=uri,
+                             sha256=sha256)
+    Publisher(client, keys, event.producer).publish(keys.weight_stream, event)
+    return event
+
+
+def read_events(client: redis.Redis, stream: str) -> list[Event]:
+    return [decode(fields) for _id, fields in client.xrange(stream) or []]
+
+
+def find(events: list[Event], cls: type[Event], **match: object) -> list[Event]:
+    return [e for e in events if isinstance(e, cls) and all(getattr(e, k) == v for k, v in match.items())]
+
+
+def wait_until(what: str, cond: Callable[[], object], timeout_s: float = 30.0, every_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)
+
+
+async def wait_until_async(what: str, cond: Callable[[], object], timeout_s: float = 30.0,
+                           every_s: float = 0.05) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(every_s)

@@ -1,0 +1,335 @@
+"""Weight updates: from ``WeightsPublished`` to ``WeightVersionServing``.
+
+``submit`` checks a publication (ordering, then the file: root, existence, sha256,
+shapes) and either refuses it with ``WeightUpdateFailed`` (engines keep serving the
+old version and the event says which) or makes it the policy's target. One worker per
+policy converges serving engines to the target: each round pushes the target to every
+serving engine that does not run it, in parallel (pause with the configured mode,
+``/update_weights_from_disk``, continue), then announces. Rounds always read the
+newest target, so a newer version supersedes an older one and the older one is never
+applied after it. Policies have separate workers, so one policy's push does not stall
+another's; an engine's lock keeps two pushes to one engine from interleaving.
+
+The policy record (``events.registry.PolicyRecord``) names the weights engines must run:
+``published``/``uri``/``sha256`` are written when a version is accepted (and rewritten if
+it is rolled back), ``serving`` when every serving engine runs it. A restarted controller
+seeds its targets from it, and re-reads its own unacknowledged ``WeightsPublished``
+entries: an entry is acknowledged only once its update settled.
+
+Per-engine outcomes: ``applied``; ``rejected`` (the engine answered 4xx and kept its
+old weights); ``failed`` (no answer, 5xx, timeout: the engine leaves the serving set
+through the unhealthy -> restart path). If every engine rejects a version and none
+runs it, the target rolls back to the last good one and engines stay as they were; if
+some took it, the ones that refused leave the serving set rather than serve old
+weights unannounced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from controller.core import Core
+from controller.state import EngineHandle
+from controller.versions import Target, lora_name_for
+from controller.weights import BadWeights, Shapes, reference_shapes, verify
+from engine.http_client import EngineHTTPError
+from events.registry import EngineState, PolicyRecord
+from events.schema import (
+    WeightsApplied,
+    WeightsPublished,
+    WeightUpdateFailed,
+    WeightUpdateStarted,
+    WeightVersionServing,
+)
+
+log = logging.getLogger(__name__)
+
+Status = Literal["applied", "rejected", "failed", "skipped"]
+FailHook = Callable[[EngineHandle, str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class EngineOutcome:
+    engine_id: str
+    status: Status
+    reason: str = ""
+    duration_s: float = 0.0
+
+
+def lags(h: EngineHandle, target: Target) -> bool:
+    """Whether the engine runs an older version of the target's policy (or none): engines never go back."""
+    current = h.record.versions.get(target.policy)
+    return current is None or current < target.version
+
+
+def keeps(h: EngineHandle, policy: str) -> str:
+    version = h.record.versions.get(policy)
+    return f"engine keeps serving version {version}" if version is not None else (
+        f"engine keeps serving no weights of {policy!r}")
+
+
+class WeightUpdater:
+    def __init__(self, core: Core, on_failed: FailHook) -> None:
+        self.core = core
+        self.on_failed = on_failed
+        self.root = Path(core.config.weights_root)
+        self.reference: Shapes | None = None
+        self._wake: dict[str, asyncio.Event] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._entries: dict[str, list[tuple[int, str | None]]] = {}
+        self._served: dict[str, set[int]] = {}
+        self._running: set[str] = set()
+        self.inflight: set[str] = set()
+
+    def load_reference(self) -> None:
+        try:
+            self.reference = reference_shapes(self.core.config.model_path)
+        except BadWeights as exc:
+            log.warning("no reference shapes from %s: %s", self.core.config.model_path, exc.reason)
+
+    # --- intake ------------------------------------------------------------------------------
+    async def submit(self, event: WeightsPublished, entry_id: str | None = None) -> str | None:
+        """Take a publication; returns the reason it was refused, None when it became the target."""
+        book = self.core.book
+        reason = book.stale_reason(event.policy, event.version)
+        current = book.target(event.policy)
+        if reason is not None and current is not None and (current.version, current.sha256) == (
+                event.version, event.sha256.lower()):
+            log.info("weights %s v%d are already the target (a redelivery)", event.policy, event.version)
+        elif reason is not None:
+            log.info("ignoring weights %s v%d: %s", event.policy, event.version, reason)
+            await self._refuse(event, reason, per_engine=False)
+        else:
+            try:
+                target = await asyncio.to_thread(verify, event.policy, event.version, event.uri, event.sha256,
+                                                 self.root, self.reference)
+            except BadWeights as exc:
+                reason = exc.reason
+                log.warning("refusing weights %s v%d: %s", event.policy, event.version, reason)
+                await self._refuse(event, reason, per_engine=True)
+            else:
+                book.accept(target)
+                log.info("weights %s v%d accepted (%s)", event.policy, event.version, target.engine_path)
+                await self._record_target(event.policy)
+                self._entries.setdefault(event.policy, []).append((event.version, entry_id))
+                self.wake(event.policy)
+                return None
+        if entry_id is not None:
+            await self._ack(entry_id)
+        return reason
+
+    async def _refuse(self, event: WeightsPublished, reason: str, per_engine: bool) -> None:
+        self.core.metrics.weight_update_failures.labels(event.policy, "refused").inc()
+        engines = self.core.serving() if per_engine else []
+        for h in engines:
+            await self.core.bus.weights_event(self.core.event(
+                WeightUpdateFailed, policy=event.policy, version=event.version, engine_id=h.engine_id,
+                reason=f"{reason}; {keeps(h, event.policy)}"))
+        if not engines:
+            await self.core.bus.weights_event(self.core.event(
+                WeightUpdateFailed, policy=event.policy, version=event.version, engine_id="", reason=reason))
+
+    # --- workers -------------------------------------------------------------------------------
+    def wake(self, policy: str) -> None:
+        self._wake.setdefault(policy, asyncio.Event()).set()
+        if policy not in self._workers or self._workers[policy].done():
+            self._workers[policy] = self.core.spawn(self._worker(policy), f"weights-{policy}")
+
+    def wake_all(self) -> None:
+        for policy in self.core.book.targets():
+            self.wake(policy)
+
+    async def _worker(self, policy: str) -> None:
+        wake = self._wake[policy]
+        while True:
+            await wake.wait()
+            wake.clear()
+            self._running.add(policy)
+            try:
+                await self.round(policy)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("weight update round of %s failed; retrying in 1s", policy)
+                await asyncio.sleep(1.0)
+                wake.set()
+            finally:
+                self._running.discard(policy)
+
+    def idle(self) -> bool:
+        """No round running or due, for any policy."""
+        return not self._running and not any(w.is_set() for w in self._wake.values())
+
+    async def round(self, policy: str) -> list[EngineOutcome]:
+        """Push the policy's current target to every serving engine that lacks it, then announce."""
+        target = self.core.book.target(policy)
+        if target is None:
+            return []
+        behind = [h for h in self.core.serving() if lags(h, target)]
+        outcomes: list[EngineOutcome] = []
+        if behind:
+            await self.core.bus.weights_event(self.core.event(
+                WeightUpdateStarted, policy=policy, version=target.version,
+                engine_ids=[h.engine_id for h in behind]))
+            started = time.perf_counter()
+            outcomes = await self.apply_all(target, behind)
+            await self._settle(target, behind, outcomes, time.perf_counter() - started)
+        await self.announce(policy)
+        return outcomes
+
+    async def apply_all(self, target: Target, engines: list[EngineHandle], *,
+                        parallel: bool = True) -> list[EngineOutcome]:
+        """Push ``target`` to ``engines``: all at once, or one after another (for comparison)."""
+        if parallel:
+            return list(await asyncio.gather(*(self._update_engine(h, target) for h in engines)))
+        return [await self._update_engine(h, target) for h in engines]
+
+    async def _settle(self, target: Target, engines: list[EngineHandle], outcomes: list[EngineOutcome],
+                      elapsed_s: float) -> None:
+        by_status: dict[str, list[EngineOutcome]] = {}
+        for outcome in outcomes:
+            by_status.setdefault(outcome.status, []).append(outcome)
+        handles = {h.engine_id: h for h in engines}
+        anyone_runs = any(h.record.versions.get(target.policy) == target.version for h in self.core.serving())
+        for outcome in by_status.get("failed", []):
+            self.core.metrics.weight_update_failures.labels(target.policy, "engine_failed").inc()
+            await self.on_failed(handles[outcome.engine_id], f"weight update failed: {outcome.reason}")
+        rejected = by_status.get("rejected", [])
+        if rejected:
+            self.core.metrics.weight_update_failures.labels(target.policy, "rejected").inc(len(rejected))
+        proven = self.core.book.good(target.policy) == target  # engines ran it before: they are the problem
+        if rejected and (anyone_runs or proven):
+            for outcome in rejected:
+                await self.on_failed(handles[outcome.engine_id],
+                                     f"refused weights v{target.version} that engines run or ran: {outcome.reason}")
+        elif rejected and not by_status.get("applied"):
+            good = self.core.book.rollback(target.policy, target.version)
+            log.warning("every engine refused %s v%d; back to %s", target.policy, target.version,
+                        f"v{good.version}" if good else "the launch weights")
+            await self._record_target(target.policy)
+        outcome_kind = "applied" if by_status.get("applied") else "rejected" if rejected else "other"
+        self.core.metrics.weight_update_seconds.labels(target.policy, outcome_kind).observe(elapsed_s)
+
+    async def _update_engine(self, h: EngineHandle, target: Target) -> EngineOutcome:
+        async with self.core.operate(h):
+            if h.state != EngineState.SERVING:
+                return EngineOutcome(h.engine_id, "skipped", f"engine is {h.state.value}")
+            if self.core.book.superseded(target.policy, target.version):
+                return EngineOutcome(h.engine_id, "skipped", "superseded by a newer version")
+            if not lags(h, target):
+                return EngineOutcome(h.engine_id, "skipped", "already runs it (or a newer one)")
+            return await self.push(h, target, pause=True)
+
+    async def push(self, h: EngineHandle, target: Target, *, pause: bool) -> EngineOutcome:
+        """Load ``target`` on one engine; the caller holds the engine's lock."""
+        cfg = self.core.config
+        client = h.client
+        h.record.updating[target.policy] = target.version
+        await self.core.save(h)
+        started = time.perf_counter()
+        status: Status = "applied"
+        reason = ""
+        try:
+            if pause:
+                await client.pause_generation(cfg.pause_mode, timeout_s=cfg.request_timeout_s)
+            try:
+                await client.update_weights_from_disk(
+                    target.engine_path, weight_version=target.version,
+                    lora_name=lora_name_for(target.policy, cfg.base_policy), timeout_s=cfg.update_timeout_s)
+            except EngineHTTPError as exc:
+                status, reason = ("rejected" if exc.rejected else "failed"), exc.message
+            if pause:
+                await client.continue_generation(timeout_s=cfg.request_timeout_s)
+        except EngineHTTPError as exc:
+            status, reason = "failed", f"{exc.path}: {exc.message}"
+        finally:
+            h.record.updating.pop(target.policy, None)
+        duration = time.perf_counter() - started
+        if status == "applied":
+            h.record.versions[target.policy] = target.version
+            await self.core.bus.weights_event(self.core.event(
+                WeightsApplied, policy=target.policy, version=target.version, engine_id=h.engine_id,
+                duration_ms=duration * 1000), h.record)
+            log.info("engine %s runs %s v%d (%.0f ms)", h.engine_id, target.policy, target.version,
+                     duration * 1000)
+        else:
+            if status == "rejected":
+                reason = f"engine refused the weights: {reason}; {keeps(h, target.policy)}"
+            await self.core.bus.weights_event(self.core.event(
+                WeightUpdateFailed, policy=target.policy, version=target.version, engine_id=h.engine_id,
+                reason=reason), h.record)
+            log.warning("engine %s: %s v%d %s: %s", h.engine_id, target.policy, target.version, status, reason)
+        return EngineOutcome(h.engine_id, status, reason, duration)
+
+    async def catch_up(self, h: EngineHandle) -> EngineOutcome | None:
+        """Give an engine that is not serving yet the target of every policy; None when all applied."""
+        for _ in range(5):
+            behind = [t for t in self.core.book.targets().values() if lags(h, t)]
+            if not behind:
+                return None
+            for target in behind:
+                outcome = await self.push(h, target, pause=False)
+                if outcome.status != "applied":
+                    return outcome
+        return EngineOutcome(h.engine_id, "failed", "targets kept changing while catching up")
+
+    # --- announcing ------------------------------------------------------------------------------
+    async def announce(self, policy: str) -> None:
+        """``WeightVersionServing`` once every serving engine runs the target; ack what it settles."""
+        target = self.core.book.target(policy)
+        if target is None:
+            return
+        serving = self.core.serving()
+        behind = [h for h in serving if h.record.versions.get(policy) != target.version]
+        if behind:
+            lagging = [h for h in behind if lags(h, target)]
+            if lagging:  # a new round waits for each engine's lock, then pushes
+                self._wake.setdefault(policy, asyncio.Event()).set()
+            elif not lagging:
+                log.warning("engines %s run a newer %s than the target v%d; not pushing an older version",
+                            [h.engine_id for h in behind], policy, target.version)
+            return
+        self.core.book.mark_good(target)
+        record = self.core.policies.setdefault(policy, PolicyRecord(policy))
+        if serving and record.serving != target.version:
+            record.serving = target.version
+            await self.core.bus.put_policy(record)
+            await self.core.bus.weights_event(self.core.event(
+                WeightVersionServing, policy=policy, version=target.version,
+                engine_ids=sorted(h.engine_id for h in serving)))
+            self._served.setdefault(policy, set()).add(target.version)
+            log.info("all %d serving engines run %s v%d", len(serving), policy, target.version)
+        if not self._wake.setdefault(policy, asyncio.Event()).is_set():
+            await self._settle_entries(target)
+
+    async def _record_target(self, policy: str) -> None:
+        """The policy record names the weights engines must run: ``published``, ``uri``, ``sha256``."""
+        target = self.core.book.target(policy)
+        record = self.core.policies.setdefault(policy, PolicyRecord(policy))
+        if target is None:
+            record.uri = record.sha256 = ""
+        else:
+            record.published, record.uri, record.sha256 = target.version, target.uri, target.sha256
+        await self.core.bus.put_policy(record)
+
+    async def _settle_entries(self, target: Target) -> None:
+        """Ack every publication of the policy handled so far (applied, superseded or refused)."""
+        entries = self._entries.pop(target.policy, [])
+        served = self._served.pop(target.policy, set())
+        for version, entry_id in entries:
+            if version < target.version and version not in served:
+                await self.core.bus.weights_event(self.core.event(
+                    WeightUpdateFailed, policy=target.policy, version=version, engine_id="",
+                    reason=f"superseded by version {target.version} before every serving engine ran it"))
+            if entry_id is not None:
+                await self._ack(entry_id)
+
+    async def _ack(self, entry_id: str) -> None:
+        self.inflight.discard(entry_id)
+        await self.core.bus.ack_weights(entry_id)

@@ -1,0 +1,69 @@
+"""Command-line arguments of ``python -m engine.server`` (kept free of torch, so --help is instant)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    weight_version: str = "default"
+    served_model_name: str | None = None
+    token_delay_ms: float = 0.0
+    max_batch_size: int = 32
+    seed: int = 0
+    device: str = "cpu"
+    torch_threads: int = 1
+    skip_tokenizer_init: bool = False
+    enable_memory_saver: bool = False
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.server",
+        description="CPU engine speaking SGLang's native HTTP API over a TinyLM.",
+    )
+    parser.add_argument("--model-path", required=True, help="directory with config.json and model.safetensors")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--weight-version", default="default", help="version reported for the initial weights")
+    parser.add_argument("--served-model-name", default=None, help="defaults to --model-path")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0, help="fixed sleep per decode step")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="most sequences decoded together")
+    parser.add_argument("--seed", type=int, default=0, help="seeds sampling of requests without sampling_seed")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (tiny models: 1)")
+    parser.add_argument("--skip-tokenizer-init", action="store_true", help="replies carry no text")
+    parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="accepted for SGLang compatibility; memory release always works here",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> EngineArgs:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.max_batch_size < 1:
+        parser.error("--max-batch-size must be >= 1")
+    if ns.token_delay_ms < 0:
+        parser.error("--token-delay-ms must be >= 0")
+    if ns.torch_threads < 1:
+        parser.error("--torch-threads must be >= 1")
+    return EngineArgs(**vars(ns))

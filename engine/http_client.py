@@ -1,0 +1,220 @@
+"""An async client for SGLang's native HTTP API, shared by the controller and the executors.
+
+One ``aiohttp.ClientSession`` per event loop (``shared_session``) pools connections to
+every engine; ``EngineClient`` is a cheap per-engine view over it. Every failure becomes
+``EngineHTTPError`` with the HTTP status (``0`` when no reply came: refused, reset or
+timed out) and the engine's message, so callers branch on ``status`` and ``rejected``
+instead of on aiohttp's exception zoo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from events.errors import Failure
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+    weakref.WeakKeyDictionary())
+
+
+class EngineHTTPError(Failure):
+    """An engine call that failed: ``status`` is the HTTP status, 0 when no reply came."""
+
+    def __init__(self, url: str, path: str, status: int, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(f"{url}{path}: {status or 'no reply'}: {message}")
+        self.url = url
+        self.path = path
+        self.status = status
+        self.message = message
+        self.timed_out = timed_out
+
+    @property
+    def transport(self) -> bool:
+        """No HTTP reply at all: the engine is down, unreachable or hung."""
+        return self.status == 0
+
+    @property
+    def rejected(self) -> bool:
+        """The engine answered and refused (a 4xx): it is alive and kept its previous state."""
+        return 400 <= self.status < 500
+
+
+def shared_session() -> aiohttp.ClientSession:
+    """The pooled session of the running event loop, created on first use."""
+    loop = asyncio.get_running_loop()
+    session = _sessions.get(loop)
+    if session is None or session.closed:
+        connector = aiohttp.TCPConnector(limit=1024, limit_per_host=256, keepalive_timeout=30.0)
+        session = aiohttp.ClientSession(connector=connector)
+        _sessions[loop] = session
+    return session
+
+
+async def close_shared_session() -> None:
+    """Close the running loop's pooled session (call once at shutdown)."""
+    session = _sessions.pop(asyncio.get_running_loop(), None)
+    if session is not None and not session.closed:
+        await session.close()
+
+
+class EngineClient:
+    """The native API of one engine at ``url`` (``http://host:port``)."""
+
+    def __init__(self, url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._session = session
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r})"
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        return self._session if self._session is not None else shared_session()
+
+    async def request(self, method: str, path: str, payload: Mapping[str, Any] | None = None, *,
+                      timeout_s: float | None = None) -> Any:
+        """One call; the parsed JSON reply (or its text); ``EngineHTTPError`` on any failure."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with self.session.request(
+                    method, self.url + path, json=payload,
+                    timeout=aiohttp.ClientTimeout(total=limit)) as resp:
+                body = await resp.read()
+                status = resp.status
+        except TimeoutError:
+            raise EngineHTTPError(self.url, path, 0, f"timed out after {limit:g}s", timed_out=True) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineHTTPError(self.url, path, 0, f"{type(exc).__name__}: {exc}") from None
+        data = _parse(body)
+        if status >= 400:
+            raise EngineHTTPError(self.url, path, status, _message(data))
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineHTTPError(self.url, path, status, _message(data))
+        return data
+
+    # --- generation -------------------------------------------------------------------------
+    async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
+                       sampling_params: Mapping[str, Any] | None = None, *, return_logprob: bool = False,
+                       rid: str | None = None, lora_path: str | None = None,
+                       timeout_s: float | None = None, **extra: Any) -> Any:
+        """``POST /generate``; a dict per request (a list of them for a batch of prompts)."""
+        payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
+                                   "return_logprob": return_logprob, **extra}
+        if rid is not None:
+            payload["rid"] = rid
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
+        return await self.post_generate(payload, timeout_s=timeout_s)
+
+    async def post_generate(self, payload: Mapping[str, Any], *, timeout_s: float | None = None) -> Any:
+        return await self.request("POST", "/generate", payload, timeout_s=timeout_s)
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        payload: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            payload["rid"] = rid
+        await self.request("POST", "/abort_request", payload)
+
+    # --- health and info ---------------------------------------------------------------------
+    async def health(self, *, timeout_s: float | None = None) -> None:
+        await self.request("GET", "/health", timeout_s=timeout_s)
+
+    async def health_generate(self, *, timeout_s: float | None = None) -> None:
+        """``GET /health_generate``: returns when a one-token generation ran."""
+        await self.request("GET", "/health_generate", timeout_s=timeout_s)
+
+    async def model_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return _as_dict(await self.request("GET", "/model_info", timeout_s=timeout_s))
+
+    async def server_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return _as_dict(await self.request("GET", "/server_info", timeout_s=timeout_s))
+
+    async def flush_cache(self, *, timeout_s: float | None = None) -> None:
+        await self.request("POST", "/flush_cache", timeout_s=timeout_s)
+
+    # --- weights -----------------------------------------------------------------------------
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | int | None = None,
+                                       lora_name: str | None = None, load_format: str | None = None,
+                                       abort_all_requests: bool = False, flush_cache: bool = True,
+                                       timeout_s: float | None = None) -> dict[str, Any]:
+        """Load new weights; a rejected load (400) leaves the engine on its previous weights."""
+        payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests,
+                                   "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        if lora_name is not None:
+            payload["lora_name"] = lora_name
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return _as_dict(await self.request("POST", "/update_weights_from_disk", payload, timeout_s=timeout_s))
+
+    async def update_weight_version(self, new_version: str | int, *, abort_all_requests: bool = False,
+                                    timeout_s: float | None = None) -> dict[str, Any]:
+        payload = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        return _as_dict(await self.request("POST", "/update_weight_version", payload, timeout_s=timeout_s))
+
+    async def pause_generation(self, mode: str = "abort", *, timeout_s: float | None = None) -> dict[str, Any]:
+        return _as_dict(await self.request("POST", "/pause_generation", {"mode": mode}, timeout_s=timeout_s))
+
+    async def continue_generation(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return _as_dict(await self.request("POST", "/continue_generation", {}, timeout_s=timeout_s))
+
+    # --- memory --------------------------------------------------------------------------------
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None, *,
+                                        timeout_s: float | None = None) -> dict[str, Any]:
+        payload = {"tags": list(tags) if tags is not None else None}
+        return _as_dict(await self.request("POST", "/release_memory_occupation", payload, timeout_s=timeout_s))
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None, *,
+                                       timeout_s: float | None = None) -> dict[str, Any]:
+        payload = {"tags": list(tags) if tags is not None else None}
+        return _as_dict(await self.request("POST", "/resume_memory_occupation", payload, timeout_s=timeout_s))
+
+
+def parse_version(value: Any) -> int | None:
+    """An engine-reported weight version as an int; None for absent or placeholder ones ("default")."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return None
+
+
+def _parse(body: bytes) -> Any:
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")
+
+
+def _message(data: Any) -> str:
+    if isinstance(data, dict):
+        for key in ("message", "error", "detail"):
+            value = data.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                return str(value)
+        return json.dumps(data)[:500]
+    return str(data)[:500] if data is not None else ""
+
+
+def _as_dict(data: Any) -> dict[str, Any]:
+    return data if isinstance(data, dict) else {"message": data}

@@ -1,0 +1,41 @@
+"""Entrypoint: ``python -m engine.server --model-path DIR [--port P] ...`` (see ``--help``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from engine.args import parse_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from aiohttp import web
+
+    from engine.errors import EngineError
+    from engine.routes import build_app
+    from engine.runtime import Engine
+
+    try:
+        engine = Engine(args)
+    except (EngineError, OSError, ValueError) as exc:
+        logging.getLogger("engine.server").error("cannot start: %s", exc)
+        return 2
+    web.run_app(
+        build_app(engine),
+        host=args.host,
+        port=args.port,
+        handler_cancellation=True,
+        access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None,
+        print=None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

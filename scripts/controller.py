@@ -1,0 +1,101 @@
+"""Run the inference controller: ``python scripts/controller.py --model-path DIR --weights-root DIR``.
+
+Flags are parsed into a validated ``ControllerConfig`` before anything heavy is
+imported, so ``--help`` and config errors come back at once. The controller then waits
+for the namespace lease (standing by while another instance holds it), runs until
+SIGTERM or SIGINT, and stops the engines it launched unless ``--keep-engines``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from controller.config import BACKENDS, PAUSE_MODES, ConfigError, ControllerConfig  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ControllerConfig()
+    p = argparse.ArgumentParser(prog="controller", description="rollout-bus inference controller")
+    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", d.namespace))
+    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
+    p.add_argument("--instance", default=d.instance, help="stable instance name (consumer names, producer)")
+    p.add_argument("--backend", choices=BACKENDS, default=d.backend)
+    p.add_argument("--num-engines", type=int, default=d.num_engines)
+    p.add_argument("--model-path", default=d.model_path)
+    p.add_argument("--engine-host", default=d.engine_host)
+    p.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
+                   help="extra engine argument (repeatable), e.g. --engine-arg=--tp --engine-arg=2")
+    p.add_argument("--token-delay-ms", type=float, default=d.token_delay_ms)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--initial-version", type=int, default=d.initial_version)
+    p.add_argument("--adopt-url", action="append", default=[], dest="adopt_urls",
+                   help="an engine launched elsewhere to manage (repeatable)")
+    p.add_argument("--log-dir", default=None, help="engine logs (default: a temporary directory)")
+    p.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+    p.add_argument("--max-restart-attempts", type=int, default=d.max_restart_attempts)
+    p.add_argument("--keep-engines", action="store_true", help="leave launched engines running on exit")
+    p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
+    p.add_argument("--health-timeout-s", type=float, default=d.health_timeout_s)
+    p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold)
+    p.add_argument("--weights-root", default=d.weights_root)
+    p.add_argument("--base-policy", default=d.base_policy)
+    p.add_argument("--pause-mode", choices=PAUSE_MODES, default=d.pause_mode)
+    p.add_argument("--update-timeout-s", type=float, default=d.update_timeout_s)
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
+    p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[ControllerConfig, str]:
+    args = vars(build_parser().parse_args(argv))
+    level = args.pop("log_level")
+    args["stop_engines_on_exit"] = not args.pop("keep_engines")
+    return ControllerConfig.from_mapping(args), level
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, level = parse_config(argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import asyncio
+    import signal
+
+    from controller.lease import Lease, owner_token
+    from controller.runner import LeaderRunner
+    from controller.service import InferenceController
+    from events.connection import connect
+    from events.names import Keys
+
+    async def run() -> None:
+        client = connect(config.redis_url)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        lease = Lease(client, Keys(config.namespace).controller_lease, owner_token(config.instance),
+                      config.lease_ttl_s)
+        runner = LeaderRunner(lease, lambda: InferenceController(config, client), config.lease_ttl_s)
+        try:
+            await runner.run(stop)
+        finally:
+            client.close()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Weight updates on three real CPU engines: each pause mode with requests in flight, and bad weights.
+
+The engines are started once for the module and adopted by a fresh controller in each
+test (its own namespace); versions grow across the module since the engines keep theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+
+from controller.config import ControllerConfig
+from controller.lifecycle import adopted_engine_id
+from controller.service import InferenceController
+from controller.testing import find, publish_weights, read_events, wait_until_async, write_version
+from engine.http_client import EngineClient
+from events.embedded import RedisServer
+from events.names import Keys
+from events.publish import Publisher
+from events.registry import EngineState, Registry
+from events.schema import (
+    EngineOffloaded,
+    EngineOnloaded,
+    EngineReady,
+    EngineRestarting,
+    EngineServing,
+    EngineUnhealthy,
+    OffloadEngines,
+    Producer,
+    WeightsApplied,
+    WeightUpdateFailed,
+    WeightVersionServing,
+)
+from tests.engine_proc import EngineProcess, make_weights_dir
+
+pytestmark = pytest.mark.integration
+
+_versions = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("weights-root")
+    make_weights_dir(root / "base", seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def engines(root: Path) -> Iterator[list[EngineProcess]]:
+    procs = [EngineProcess(root / "base", token_delay_ms=15) for _ in range(3)]
+    yield procs
+    for proc in procs:  # signal all first, then wait: they shut down in parallel
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.proc.terminate()
+    for proc in procs:
+        proc.stop()
+
+
+def adopted(engine: EngineProcess) -> str:
+    return adopted_engine_id(engine.url)
+
+
+def config(keys: Keys, server: RedisServer, root: Path, engines: list[EngineProcess], **kw: Any) -> ControllerConfig:
+    settings: dict[str, Any] = dict(namespace=keys.namespace, redis_url=server.url, num_engines=0,
+                                    adopt_urls=[e.url for e in engines], model_path=str(root / "base"),
+                                    weights_root=str(root), health_interval_s=0.5, health_timeout_s=2.0)
+    return ControllerConfig(**{**settings, **kw})
+
+
+async def started(cfg: ControllerConfig, client: redis.Redis) -> InferenceController:
+    ctl = InferenceController(cfg, client)
+    await ctl.start()
+    await ctl.wait_serving(timeout_s=20)
+    return ctl
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_a_weight_update_reaches_all_three_engines_while_requests_are_in_flight(
+        mode: str, keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        engines: list[EngineProcess]) -> None:
+    version = next(_versions)
+    new_dir, sha = write_version(root / "base", root / f"v{version}", seed=version)
+
+    async def scenario() -> list[Any]:
+        ctl = await started(config(keys, redis_server, root, engines, pause_mode=mode), redis_client)
+        try:
+            params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+            requests = [asyncio.create_task(EngineClient(e.url).generate([1, 2, 3], params, return_logprob=True))
+                        for e in engines for _ in range(2)]
+            await asyncio.sleep(0.2)  # every request is decoding (40 tokens x 15 ms)
+            assert not any(r.done() for r in requests)
+            publish_weights(redis_client, keys, "default", version, str(new_dir), sha)
+            await wait_until_async("WeightVersionServing", lambda: find(
+                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=version), 15)
+            return list(await asyncio.wait_for(asyncio.gather(*requests), 15))
+        finally:
+            await ctl.stop()
+
+    replies = asyncio.run(scenario())
+    finishes = [r["meta_info"]["finish_reason"]["type"] for r in replies]
+    if mode == "abort":
+        assert finishes == ["abort"] * 6
+    else:  # retract / in_place: paused, resumed on the new weights, finished normally
+        assert finishes == ["length"] * 6
+        assert all(r["meta_info"]["weight_version"] == str(version) for r in replies)
+        assert all(len(r["output_ids"]) == 40 for r in replies)
+    for engine in engines:
+        assert engine.get("/model_info")[1]["weight_version"] == str(version)
+    applied = find(read_events(redis_client, keys.weight_stream), WeightsApplied, version=version)
+    assert len(applied) == 3
+    records = Registry(redis_client, keys).engines()
+    assert {r.versions["default"] for r in records.values()} == {version}
+    assert all(not r.updating and r.pause_mode == mode for r in records.values())
+
+
+@pytest.mark.parametrize("case", ["checksum mismatch", "missing file", "wrong shapes", "outside the root",
+                                  "wrong shapes caught by the engines"])
+def test_bad_weights_are_refused_and_engines_keep_serving_the_old_version(
+        case: str, keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        engines: list[EngineProcess], tmp_path: Path) -> None:
+    version = next(_versions)
+    uri, sha = "", ""
+    if case == "checksum mismatch":
+        path, _ = write_version(root / "base", root / f"v{version}", seed=version)
+        uri, sha = str(path), "ab" * 32
+    elif case == "missing file":
+        uri, sha = str(root / f"v{version}-never-written"), "ab" * 32
+    elif case.startswith("wrong shapes"):
+        path, sha = write_version(root / "base", root / f"v{version}", seed=version, shape_change=True)
+        uri = str(path)
+    elif case == "outside the root":
+        path, sha = write_version(root / "base", tmp_path / f"v{version}", seed=version)
+        uri = str(path)
+    # Without a reference model the controller cannot check shapes: the engines refuse them.
+    extra = {"model_path": ""} if case.endswith("by the engines") else {}
+    old = {e.url: e.get("/model_info")[1]["weight_version"] for e in engines}
+
+    async def scenario() -> None:
+        ctl = await started(config(keys, redis_server, root, engines, **extra), redis_client)
+        try:
+            publish_weights(redis_client, keys, "default", version, uri, sha)
+            await wait_until_async("a WeightUpdateFailed per engine", lambda: len(find(
+                read_events(redis_client, keys.weight_stream), WeightUpdateFailed, version=version)) == 3, 15)
+            await asyncio.sleep(0.2)
+        finally:
+            await ctl.stop()
+
+    asyncio.run(scenario())
+    events = read_events(redis_client, keys.weight_stream)
+    failures = find(events, WeightUpdateFailed, version=version)
+    keyword = {"checksum mismatch": "checksum mismatch", "missing file": "missing", "wrong shapes": "wrong shapes",
+               "outside the root": "outside the weights root",
+               "wrong shapes caught by the engines": "engine refused the weights"}[case]
+    records = Registry(redis_client, keys).engines()
+    for failure in failures:
+        record = records[failure.engine_id]  # type: ignore[attr-defined]
+        assert keyword in failure.reason  # type: ignore[attr-defined]
+        assert f"keeps serving version {old[record.url]}" in failure.reason  # type: ignore[attr-defined]
+        assert record.versions["default"] == int(old[record.url])
+        assert record.state.value == "serving"
+    assert not find(events, WeightVersionServing, version=version)
+    assert not find(events, WeightsApplied, version=version)
+    assert {e.url: e.get("/model_info")[1]["weight_version"] for e in engines} == old
+
+
+def test_offloaded_engines_leave_serving_and_onload_brings_them_back_on_the_latest_weights(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        engines: list[EngineProcess]) -> None:
+    version = next(_versions)
+    new_dir, sha = write_version(root / "base", root / f"v{version}", seed=version)
+    producer = Producer("trainer", "test")
+
+    async def scenario() -> str:
+        ctl = await started(config(keys, redis_server, root, engines, metrics_port=0), redis_client)
+        try:
+            Publisher(redis_client, keys, producer).publish(keys.command_stream, OffloadEngines(
+                producer=producer, tags=["weights", "kv_cache"], engine_ids=[adopted(engines[0])]))
+            await wait_until_async("EngineOffloaded", lambda: find(
+                read_events(redis_client, keys.engine_stream), EngineOffloaded), 10)
+            assert engines[0].state()["memory_released"] == ["kv_cache", "weights"]
+            # Weights published meanwhile reach the engines still serving, not the offloaded one.
+            publish_weights(redis_client, keys, "default", version, str(new_dir), sha)
+            await wait_until_async("v serving", lambda: find(
+                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=version), 10)
+            assert engines[0].get("/model_info")[1]["weight_version"] != str(version)
+            results = await ctl.onload(["weights", "kv_cache"])
+            assert results[adopted(engines[0])] == "ok"
+            assert all(r.startswith("skipped") for e, r in results.items() if e != adopted(engines[0]))
+            assert len(ctl.core.serving()) == 3
+            async with aiohttp.ClientSession() as session, session.get(
+                    f"http://127.0.0.1:{ctl.metrics_port}/metrics") as resp:
+                return await resp.text()
+        finally:
+            await ctl.stop()
+
+    metrics = asyncio.run(scenario())
+    assert engines[0].get("/model_info")[1]["weight_version"] == str(version)  # caught up before serving
+    assert engines[0].state()["memory_released"] == []
+    types = [type(e) for e in read_events(redis_client, keys.engine_stream)
+             if getattr(e, "engine_id", None) == adopted(engines[0])]
+    assert types[-3:] == [EngineOffloaded, EngineOnloaded, EngineServing]
+    assert 'rollout_bus_controller_engines{state="serving"} 3.0' in metrics
+    assert "rollout_bus_controller_weight_update_seconds_count" in metrics
+
+
+def test_an_adopted_engine_that_dies_leaves_serving_and_comes_back_with_the_latest_weights(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        engines: list[EngineProcess]) -> None:
+    version = next(_versions)
+    new_dir, sha = write_version(root / "base", root / f"v{version}", seed=version)
+    victim = engines[2]
+    engine_id = adopted(victim)
+
+    def own_events() -> list[Any]:
+        return [e for e in read_events(redis_client, keys.engine_stream) if getattr(e, "engine_id", None) == engine_id]
+
+    async def scenario() -> None:
+        cfg = config(keys, redis_server, root, engines, health_interval_s=0.2, health_timeout_s=1.0,
+                     health_failure_threshold=1)
+        ctl = await started(cfg, redis_client)
+        try:
+            publish_weights(redis_client, keys, "default", version, str(new_dir), sha)
+            await wait_until_async("v serving", lambda: find(
+                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=version), 10)
+            victim.kill()  # SIGKILL by pid; whoever launched it restarts it, not the controller
+            await wait_until_async("EngineUnhealthy", lambda: find(own_events(), EngineUnhealthy), 10)
+            assert Registry(redis_client, keys).engines()[engine_id].state == EngineState.UNHEALTHY
+            assert len(ctl.core.serving()) == 2
+            await asyncio.to_thread(victim.start)  # same port, launch weights (version 0)
+            await wait_until_async("serving again", lambda: isinstance(own_events()[-1], EngineServing), 15)
+        finally:
+            await ctl.stop()
+
+    asyncio.run(scenario())
+    types = [type(e) for e in own_events()]
+    assert EngineRestarting not in types
+    assert types[-3:] == [EngineUnhealthy, EngineReady, EngineServing]
+    assert own_events()[-1].versions == {"default": version}
+    assert victim.get("/model_info")[1]["weight_version"] == str(version)

@@ -1,0 +1,54 @@
+"""Both backends build their command by the same launch spec; sglang's is only built, never run here."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.backends import CpuBackend, LaunchSpec, SglangBackend, make_backend
+
+
+def spec(**kw: object) -> LaunchSpec:
+    base: dict[str, object] = dict(engine_id="engine-0", host="127.0.0.1", port=31000, model_path="/models/qwen",
+                                   weight_version=7, python="/usr/bin/python3")
+    base.update(kw)
+    return LaunchSpec(**base)  # type: ignore[arg-type]
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_sglang_command_launches_the_server_module_with_model_host_port_and_version() -> None:
+    cmd = SglangBackend().command(spec(extra_args=("--tp", "2")))
+    assert cmd[:3] == ["/usr/bin/python3", "-m", "sglang.launch_server"]
+    assert flag(cmd, "--model-path") == "/models/qwen"
+    assert flag(cmd, "--host") == "127.0.0.1"
+    assert flag(cmd, "--port") == "31000"
+    assert flag(cmd, "--weight-version") == "7"
+    assert cmd.count("--enable-memory-saver") == 1  # offload/onload need it
+    assert cmd[-2:] == ["--tp", "2"]
+
+
+def test_sglang_memory_saver_is_not_doubled_and_can_be_left_out() -> None:
+    assert SglangBackend().command(spec(extra_args=("--enable-memory-saver",))).count("--enable-memory-saver") == 1
+    assert "--enable-memory-saver" not in SglangBackend(memory_saver=False).command(spec())
+
+
+def test_cpu_command_runs_the_project_engine_with_its_options() -> None:
+    cmd = CpuBackend().command(spec(token_delay_ms=2.5, seed=3, extra_args=("--max-batch-size", "8")))
+    assert cmd[:3] == ["/usr/bin/python3", "-m", "engine.server"]
+    assert flag(cmd, "--model-path") == "/models/qwen"
+    assert flag(cmd, "--port") == "31000"
+    assert flag(cmd, "--weight-version") == "7"
+    assert flag(cmd, "--token-delay-ms") == "2.5"
+    assert flag(cmd, "--seed") == "3"
+    assert cmd[-2:] == ["--max-batch-size", "8"]
+    assert "--token-delay-ms" not in CpuBackend().command(spec())
+
+
+def test_make_backend_knows_both_and_refuses_others() -> None:
+    assert isinstance(make_backend("cpu"), CpuBackend)
+    assert isinstance(make_backend("sglang"), SglangBackend)
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_backend("vllm")
+    assert spec().url == "http://127.0.0.1:31000"

@@ -1,0 +1,183 @@
+"""Weight-update rounds against fake engines: supersession, stale versions, refusals, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import numpy as np
+from safetensors.numpy import save_file
+
+from controller.bus import ControllerBus
+from controller.config import ControllerConfig
+from controller.core import Core
+from controller.metrics import ControllerMetrics
+from controller.state import EngineHandle
+from controller.testing import find, read_events
+from controller.updates import WeightUpdater
+from engine.http_client import EngineHTTPError
+from events.names import Keys
+from events.registry import EngineRecord, EngineState
+from events.schema import Producer, WeightsApplied, WeightsPublished, WeightUpdateFailed, WeightVersionServing
+
+
+class FakeEngine:
+    """The three calls a weight update makes, recorded; versions in ``refuse`` get a 400, in ``crash`` no reply."""
+
+    def __init__(self, url: str, delay_s: float = 0.0) -> None:
+        self.url = url
+        self.delay_s = delay_s
+        self.calls: list[str] = []
+        self.applied: list[int] = []
+        self.refuse: set[int] = set()
+        self.crash: set[int] = set()
+
+    async def pause_generation(self, mode: str = "abort", **_: Any) -> dict[str, Any]:
+        self.calls.append(f"pause:{mode}")
+        return {}
+
+    async def continue_generation(self, **_: Any) -> dict[str, Any]:
+        self.calls.append("continue")
+        return {}
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: Any = None,
+                                       lora_name: str | None = None, **_: Any) -> dict[str, Any]:
+        version = int(weight_version)
+        self.calls.append(f"update:{version}:{lora_name}")
+        await asyncio.sleep(self.delay_s)
+        if version in self.crash:
+            raise EngineHTTPError(self.url, "/update_weights_from_disk", 0, "connection reset")
+        if version in self.refuse:
+            raise EngineHTTPError(self.url, "/update_weights_from_disk", 400, "weights do not fit the model")
+        self.applied.append(version)
+        return {"success": True}
+
+
+class Rig:
+    def __init__(self, tmp_path: Path, n: int = 2, delay_s: float = 0.0) -> None:
+        self.root = tmp_path
+        self.client = fakeredis.FakeRedis()
+        self.keys = Keys("unit")
+        config = ControllerConfig(model_path=str(tmp_path), weights_root=str(tmp_path), pause_mode="in_place")
+        self.bus = ControllerBus(self.client, self.keys, Producer("controller", "unit"), "unit")
+        self.core = Core(config, self.bus, ControllerMetrics(), tmp_path / "logs")
+        self.core.book.seed("default", 0)
+        self.failed: list[tuple[str, str]] = []
+        self.updater = WeightUpdater(self.core, self._on_failed)
+        self.fakes: list[FakeEngine] = []
+        for i in range(n):
+            fake = FakeEngine(f"http://fake:{i}", delay_s)
+            record = EngineRecord(f"e{i}", fake.url, EngineState.SERVING, versions={"default": 0})
+            self.core.engines[record.engine_id] = EngineHandle(record, fake)  # type: ignore[arg-type]
+            self.fakes.append(fake)
+
+    async def _on_failed(self, h: EngineHandle, reason: str) -> None:
+        self.failed.append((h.engine_id, reason))
+        h.move(EngineState.UNHEALTHY)
+
+    def publication(self, version: int, policy: str = "default") -> WeightsPublished:
+        path = self.root / policy / f"v{version}" / "model.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"w": np.full((2, 2), version, dtype=np.float32)}, str(path))
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        return WeightsPublished(producer=Producer("trainer", "t"), policy=policy, version=version,
+                                uri=str(path.parent), sha256=sha)
+
+    async def settle(self) -> None:
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if self.updater.idle():
+                return
+        raise TimeoutError("weight updates did not settle")
+
+    def weight_events(self) -> list[Any]:
+        return read_events(self.client, self.keys.weight_stream)
+
+    async def close(self) -> None:
+        await self.core.cancel_tasks()
+        self.bus.close()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_a_newer_version_supersedes_one_in_flight_and_the_older_is_never_applied_after_it(tmp_path: Path) -> None:
+    async def scenario() -> Rig:
+        rig = Rig(tmp_path, delay_s=0.2)
+        assert await rig.updater.submit(rig.publication(1)) is None
+        await asyncio.sleep(0.05)  # v1 is being loaded on both engines
+        assert await rig.updater.submit(rig.publication(2)) is None
+        assert await rig.updater.submit(rig.publication(3)) is None
+        reason = await rig.updater.submit(rig.publication(2))
+        assert reason is not None and "equal to" not in reason and "older than" in reason
+        await rig.settle()
+        await rig.close()
+        return rig
+
+    rig = run(scenario())
+    for fake in rig.fakes:
+        assert fake.applied == [1, 3]  # 2 was superseded before it started; nothing after 3
+        assert fake.calls[0] == "pause:in_place" and fake.calls[-1] == "continue"
+    events = rig.weight_events()
+    serving = find(events, WeightVersionServing)
+    assert [e.version for e in serving] == [3]  # type: ignore[attr-defined]
+    assert {h.record.versions["default"] for h in rig.core.engines.values()} == {3}
+    reasons = [e.reason for e in find(events, WeightUpdateFailed, version=2, engine_id="")]  # type: ignore[attr-defined]
+    assert any(r.startswith("stale: version 2 is older than the newest accepted version 3") for r in reasons)
+    assert any(r.startswith("superseded by version 3") for r in reasons)
+
+
+def test_named_policies_are_pushed_as_named_weight_sets(tmp_path: Path) -> None:
+    async def scenario() -> Rig:
+        rig = Rig(tmp_path, n=1)
+        await rig.updater.submit(rig.publication(1, policy="math"))
+        await rig.settle()
+        await rig.close()
+        return rig
+
+    rig = run(scenario())
+    assert "update:1:math" in rig.fakes[0].calls
+    assert rig.core.engines["e0"].record.versions == {"default": 0, "math": 1}
+
+
+def test_weights_every_engine_refuses_roll_back_and_engines_say_they_keep_the_old_version(tmp_path: Path) -> None:
+    async def scenario() -> Rig:
+        rig = Rig(tmp_path)
+        await rig.updater.submit(rig.publication(1))
+        await rig.settle()
+        for fake in rig.fakes:
+            fake.refuse.add(2)
+        await rig.updater.submit(rig.publication(2))
+        await rig.settle()
+        await rig.close()
+        return rig
+
+    rig = run(scenario())
+    assert not rig.failed  # a refusal by everyone is bad weights, not bad engines
+    failures = find(rig.weight_events(), WeightUpdateFailed, version=2)
+    assert sorted(e.engine_id for e in failures) == ["e0", "e1"]  # type: ignore[attr-defined]
+    assert all("keeps serving version 1" in e.reason for e in failures)  # type: ignore[attr-defined]
+    assert [e.version for e in find(rig.weight_events(), WeightVersionServing)] == [1]  # type: ignore[attr-defined]
+    assert rig.core.book.target("default").version == 1  # type: ignore[union-attr]
+    assert {h.record.versions["default"] for h in rig.core.engines.values()} == {1}
+
+
+def test_an_engine_that_refuses_what_others_took_or_stops_answering_leaves_the_serving_set(tmp_path: Path) -> None:
+    async def scenario() -> Rig:
+        rig = Rig(tmp_path, n=3)
+        rig.fakes[1].refuse.add(1)
+        rig.fakes[2].crash.add(1)
+        await rig.updater.submit(rig.publication(1))
+        await rig.settle()
+        await rig.close()
+        return rig
+
+    rig = run(scenario())
+    assert sorted(e for e, _ in rig.failed) == ["e1", "e2"]
+    assert [e.engine_id for e in find(rig.weight_events(), WeightsApplied)] == ["e0"]  # type: ignore[attr-defined]
+    serving = find(rig.weight_events(), WeightVersionServing)
+    assert [(e.version, e.engine_ids) for e in serving] == [(1, ["e0"])]  # type: ignore[attr-defined]
