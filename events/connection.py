@@ -66,6 +66,7 @@ class Guard:
         self.name = name
         self._lost_since: float | None = None
         self._lock = threading.Lock()
+        self.outages = 0  # times the connection was lost; a reply in flight may have been lost with it
 
     def call(self, fn: Callable[[Any], T]) -> T:
         delay = self.policy.base_s
@@ -73,11 +74,16 @@ class Guard:
         while True:
             try:
                 result = fn(self.client)
+            except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+                # reachable, but refused: retrying for the whole budget would only hide the cause
+                self._note_back()
+                raise RedisCommandError(f"{self.name}: {type(exc).__name__}: {exc}") from None
             except (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError) as exc:
                 self._note_lost(exc)
-                if time.monotonic() - started > self.policy.max_wait_s:
-                    raise BusUnavailable(
-                        f"{self.name}: Redis unreachable for {self.policy.max_wait_s:.0f}s: {exc}") from None
+                waited = time.monotonic() - started
+                if waited > self.policy.max_wait_s:
+                    raise BusUnavailable(f"{self.name}: Redis unreachable for {waited:.1f}s "
+                                         f"(budget {self.policy.max_wait_s:g}s): {exc}") from None
                 time.sleep(delay)
                 delay = min(delay * 2, self.policy.cap_s)
                 continue
@@ -93,6 +99,7 @@ class Guard:
         with self._lock:
             if self._lost_since is None:
                 self._lost_since = time.monotonic()
+                self.outages += 1
                 log.warning("%s: connection to Redis lost (%s); reconnecting", self.name, exc)
 
     def _note_back(self) -> None:

@@ -35,6 +35,8 @@ def stable_consumer_name(role: str, index: int = 0) -> str:
 
 @dataclass
 class ConsumerConfig:
+    """``block_ms``: how long a read waits for new entries; 0 returns at once (not Redis' wait forever)."""
+
     block_ms: int = 1000
     count: int = 32
     claim_idle_ms: int = 30_000
@@ -71,8 +73,11 @@ class Consumer:
         self.guard = guard or Guard(client, name=f"consumer {group}/{name}")
         self.decoder = decoder
         self._recovering = True
+        self._outages_seen = self.guard.outages
         self._last_claim = 0.0
+        self._claim_cursor = "0-0"
         self._group_ready = False
+        self._unacked: list[str] = []  # handled in run(): acked together with the next read
         self.dead_lettered = 0
 
     # --- group management -------------------------------------------------------------
@@ -105,6 +110,10 @@ class Consumer:
             raise
 
     def _read(self, block_ms: int, count: int) -> list[Message]:
+        if self.guard.outages != self._outages_seen:
+            # a read whose reply died with the connection left its entries pending to us, unseen
+            self._outages_seen = self.guard.outages
+            self._recovering = True
         if self._recovering:
             raw = self._xreadgroup("0", count, None)
             if raw:
@@ -120,8 +129,9 @@ class Consumer:
         return self._accept(raw, pending=False)
 
     def _xreadgroup(self, start: str, count: int, block_ms: int | None) -> list[tuple[Any, Any]]:
-        reply = self.guard.call(lambda c: c.xreadgroup(
-            self.group, self.name, {self.stream: start}, count=count, block=block_ms))
+        block = block_ms if block_ms else None  # BLOCK 0 would wait forever and never see a stop request
+        reply = self._call_with_acks(lambda c: c.xreadgroup(
+            self.group, self.name, {self.stream: start}, count=count, block=block))
         if not reply:
             return []
         if isinstance(reply, dict):  # RESP3 shape: {stream: [[id, fields], ...]}
@@ -129,27 +139,65 @@ class Consumer:
         return [(e[0], e[1]) for e in reply[0][1]]
 
     def _autoclaim(self, count: int) -> list[tuple[Any, Any]]:
-        reply = self.guard.call(lambda c: c.xautoclaim(
+        """Take over entries idle for ``claim_idle_ms``, resuming the scan where the last one stopped.
+
+        XAUTOCLAIM looks at no more than ``10 * count`` pending entries per call: always starting at
+        ``0-0`` would never reach idle entries behind a long run of busy ones.
+        """
+        start = self._claim_cursor
+        reply = self._call_with_acks(lambda c: c.xautoclaim(
             self.stream, self.group, self.name, min_idle_time=self.config.claim_idle_ms,
-            start_id="0-0", count=count))
+            start_id=start, count=count))
+        self._claim_cursor = _s(reply[0]) if reply else "0-0"
         entries = list(reply[1]) if reply else []
         deleted = list(reply[2]) if reply and len(reply) > 2 else []
         if deleted:  # trimmed away while pending: nothing left to process
             self.guard.call(lambda c: c.xack(self.stream, self.group, *deleted))
         return entries
 
+    def _call_with_acks(self, command: Callable[[Any], Any]) -> Any:
+        """Run one read-side command; acks still waiting to be sent go first, in the same round trip.
+
+        They go first so that nothing this consumer has handled is read or claimed again.
+        """
+        acks = self._unacked
+        if not acks:
+            return self.guard.call(command)
+
+        def both(c: redis.Redis) -> Any:
+            pipe = c.pipeline(transaction=False)
+            pipe.xack(self.stream, self.group, *acks)
+            command(pipe)
+            return pipe.execute()[1]
+        result = self.guard.call(both)
+        self._unacked = []
+        return result
+
     def _deliveries(self, ids: list[str]) -> dict[str, int]:
+        """Delivery counts of entries just re-delivered to us (only re-deliveries pay for this)."""
         rows = self.guard.call(lambda c: c.xpending_range(
             self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.name))
-        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        counts = {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        missing = [i for i in ids if i not in counts]
+        if missing:  # more of our own pending entries lie between them than the range fetched
+
+            def each(c: redis.Redis) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                for i in missing:
+                    pipe.xpending_range(self.stream, self.group, min=i, max=i, count=1, consumername=self.name)
+                return pipe.execute()
+            for found in self.guard.call(each):
+                counts.update({_s(r["message_id"]): int(r["times_delivered"]) for r in found})
+        return counts
 
     def _accept(self, raw: list[tuple[Any, Any]], pending: bool) -> list[Message]:
         ids = [_s(entry_id) for entry_id, _ in raw]
         counts = self._deliveries(ids) if pending and ids else {}
         out: list[Message] = []
+        trimmed: list[str] = []
         for (_entry_id, fields), sid in zip(raw, ids, strict=True):
-            if fields is None:  # the entry was trimmed while pending
-                self.ack(sid)
+            if not fields:  # trimmed while pending: Redis gives nil, redis-py 8 an empty map
+                trimmed.append(sid)
                 continue
             deliveries = counts.get(sid, 1)
             if deliveries > self.config.max_deliveries:
@@ -162,12 +210,18 @@ class Consumer:
                 self.dead_letter(sid, fields, exc.reason, deliveries)
                 continue
             out.append(Message(self.stream, sid, event, deliveries, fields))
+        self.ack(*trimmed)
         return out
 
     # --- acknowledging ------------------------------------------------------------------
     def ack(self, *ids: str) -> None:
         if ids:
             self.guard.call(lambda c: c.xack(self.stream, self.group, *ids))
+
+    def flush_acks(self) -> None:
+        """Send the acks that ``run`` and ``run_until_idle`` hold for the next read."""
+        ids, self._unacked = self._unacked, []
+        self.ack(*ids)
 
     def dead_letter(self, entry_id: str, fields: Any, reason: str, deliveries: int) -> None:
         """Move an entry to the dead-letter stream with its reason and ack it, atomically."""
@@ -187,34 +241,57 @@ class Consumer:
         """Read once and hand each message to ``handler``; returns how many were handled.
 
         A handler that raises leaves its entry pending: it is retried after ``claim_idle_ms``
-        and dead-lettered after ``max_deliveries``.
+        and dead-lettered after ``max_deliveries``. With ``auto_ack`` the entries handled are
+        acked together, in one XACK, before this returns.
         """
-        handled = 0
-        for msg in self.read(block_ms):
-            try:
-                handler(msg)
-            except Exception:
-                log.exception("handler failed on %s %s (delivery %d)", self.stream, msg.id, msg.deliveries)
-                continue
+        return self._process(handler, block_ms, defer_acks=False)
+
+    def _process(self, handler: Handler, block_ms: int | None, defer_acks: bool) -> int:
+        done: list[str] = []
+        try:
+            for msg in self.read(block_ms):
+                try:
+                    handler(msg)
+                except Exception:
+                    log.exception("handler failed on %s %s (delivery %d)", self.stream, msg.id, msg.deliveries)
+                    continue
+                done.append(msg.id)
+        finally:
             if self.config.auto_ack:
-                self.ack(msg.id)
-            handled += 1
-        return handled
+                if defer_acks:
+                    self._unacked += done
+                else:
+                    self.ack(*done)
+        return len(done)
 
     def run(self, handler: Handler, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self.process(handler)
+        """Process until ``stop`` is set.
+
+        The acks of one batch travel in the same round trip as the next read (XACK first), and
+        whatever is left is acked on the way out; a crash in between only means redelivery.
+        """
+        try:
+            while not stop.is_set():
+                self._process(handler, None, defer_acks=True)
+        finally:
+            self.flush_acks()
 
     def run_until_idle(self, handler: Handler, idle_block_ms: int = 50, max_rounds: int = 100_000) -> int:
-        """Process until a read comes back empty and nothing of ours is pending; for tests and drains."""
+        """Process until a read comes back empty and nothing of ours is pending; for tests and drains.
+
+        Acks are sent as in ``run``; all are sent before this returns.
+        """
         total = 0
-        for _ in range(max_rounds):
-            before_dead = self.dead_lettered
-            n = self.process(handler, block_ms=idle_block_ms)
-            total += n
-            if n == 0 and self.dead_lettered == before_dead and not self._recovering:
-                return total
-        return total
+        try:
+            for _ in range(max_rounds):
+                before_dead = self.dead_lettered
+                n = self._process(handler, idle_block_ms, defer_acks=True)
+                total += n
+                if n == 0 and self.dead_lettered == before_dead and not self._recovering:
+                    return total
+            return total
+        finally:
+            self.flush_acks()
 
 
 def dead_letter_fields(stream: str, group: str, consumer: str, entry_id: str, fields: Any, reason: str,

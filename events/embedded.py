@@ -76,7 +76,11 @@ class RedisServer:
             args += ["--appendonly", "no"]
         args += self.extra_args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._wait_ready(timeout_s)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.kill()  # never leave a server behind that nobody holds (``__exit__`` does not run)
+            raise
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -87,7 +91,9 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
+                    reply = s.recv(64)
+                    # any answer but LOADING means it serves: a server with a password says -NOAUTH
+                    if reply and not reply.startswith(b"-LOADING"):
                         return
             except OSError:
                 pass
@@ -115,8 +121,14 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             self.kill()
 
-    def restart(self) -> None:
-        self.start()
+    def restart(self, timeout_s: float = 30.0) -> None:
+        """Start again on the same port and data directory (after ``kill`` or ``shutdown``).
+
+        The timeout covers replaying the append-only file: the server answers LOADING until done.
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"redis-server on port {self.port} is still running; kill or shut it down first")
+        self.start(timeout_s)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -12,12 +12,12 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "default"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def check_name(kind: str, value: str) -> str:
     """Validate a namespace, policy or group name used inside keys."""
-    if not _NAME_RE.match(value):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):  # fullmatch: `$` would let "x\n" in
         raise ValueError(f"{kind} {value!r} must be 1-64 characters of letters, digits, '_', '.' or '-'")
     return value
 
@@ -82,11 +82,19 @@ class Keys:
 
     # --- keys ------------------------------------------------------------------------
     def dedupe(self, stream: str, key: str) -> str:
-        """Idempotency key of one publish to ``stream``."""
-        return self._k("dedupe", stream.rsplit(":", 1)[-1], key)
+        """Idempotency key of one publish to ``stream``.
+
+        Named after the whole stream name below the prefix (``stream:batches:<policy>``), not its
+        last part, so that a policy called ``rollouts`` does not share dedupe keys with the rollout stream.
+        """
+        return self._k("dedupe", self._local(stream), key)
 
     def payload(self, ref: str) -> str:
         return self._k("payload", ref)
+
+    def payload_chunk(self, ref: str, index: int) -> str:
+        """Chunk ``index`` of the payload ``ref`` when the redis store splits it over several keys."""
+        return self._k("payload", ref, str(index))
 
     def payload_readers(self, ref: str) -> str:
         """Set of groups that still have to read the payload ``ref``."""
@@ -99,7 +107,12 @@ class Keys:
 
     def registered_groups(self, stream: str) -> str:
         """Set of consumer groups that must read every entry of ``stream`` (retention, payloads)."""
-        return self._k("groups", stream.split(":", 2)[-1])
+        return self._k("groups", self._local(stream))
+
+    def _local(self, stream: str) -> str:
+        """``stream`` without this namespace's prefix (a foreign name is kept whole)."""
+        head = self.prefix + ":"
+        return stream[len(head):] if stream.startswith(head) else stream
 
     @property
     def engine_registry(self) -> str:

@@ -35,6 +35,7 @@ def page(client: redis.Redis, stream: str, start: str = "-", end: str = "+", *, 
 
 
 def page_since(client: redis.Redis, stream: str, since_ms: int, until_ms: int | None = None, *,
-               count: int = 500) -> Iterator[tuple[str, dict[bytes, bytes]]]:
+               count: int = 500, guard: Guard | None = None) -> Iterator[tuple[str, dict[bytes, bytes]]]:
+    """Every entry added from ``since_ms`` through ``until_ms`` (inclusive, wall-clock ms)."""
     end = "+" if until_ms is None else f"{until_ms}-18446744073709551615"
-    return page(client, stream, id_at(since_ms), end, count=count)
+    return page(client, stream, id_at(since_ms), end, count=count, guard=guard)

@@ -67,10 +67,14 @@ def trim(client: redis.Redis, keys: Keys, stream: str, *, max_len: int | None = 
         target: StreamId | None = None
         if max_age_ms is not None:
             target = StreamId(time.time_ns() // 1_000_000 - max_age_ms, 0)
-        if max_len is not None and c.xlen(stream) > max_len:
+        length = c.xlen(stream) if max_len is not None else 0
+        if max_len is not None and length > max_len:
             if max_len == 0:
                 last = c.xrevrange(stream, count=1)
                 by_len = StreamId.parse(last[0][0]).next()
+            elif length - max_len <= max_len:  # find the first entry kept from whichever end is nearer
+                first_kept = c.xrange(stream, count=length - max_len + 1)[-1]
+                by_len = StreamId.parse(first_kept[0])
             else:
                 keep = c.xrevrange(stream, count=max_len)
                 by_len = StreamId.parse(keep[-1][0])

@@ -1,0 +1,45 @@
+"""Plug-ins for the executor's bad-input tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from executor.sample import Sample
+from tasks.arithmetic import ArithmeticSource
+
+
+class MalformedSource(ArithmeticSource):
+    """Arithmetic prompts, except that item 1 has no prompt at all."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.name = "malformed-" + self.name
+
+    def item(self, index: int) -> dict[str, Any]:
+        if index == 1:
+            return {"index": index, "prompt": None, "label": "?"}
+        return super().item(index)
+
+
+def exploding_reward(sample: Sample) -> float:
+    raise ZeroDivisionError("the reward model fell over")
+
+
+async def half_reward(samples: list[Sample]) -> list[float]:
+    """A group reward: 1 for the first half of the group, 0 for the rest."""
+    return [1.0 if i < len(samples) // 2 else 0.0 for i in range(len(samples))]
+
+
+async def scripted_generate(ctx: Any, sample: Sample) -> Sample:
+    """No engine: even prompt groups get one right answer per two samples, odd groups only wrong ones."""
+    from executor.sample import Generation
+    from lm import tokenizer
+
+    right = sample.group_index % 2 == 0 and sample.index % 2 == 0
+    ids = tokenizer.encode(str(sample.label) if right else "x") + [tokenizer.EOS_ID]
+    sample.add_response(Generation(ids, [-1.0] * len(ids), "stop", [3], ["fake"]))
+    return sample
+
+
+def bad_group_reward(samples: list[Sample]) -> list[float]:
+    return [1.0, 0.0]

@@ -1,0 +1,91 @@
+"""Key names: one module, one namespace, one Redis Cluster hash tag."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from redis.crc import key_slot
+
+from events.names import DEFAULT_NAMESPACE, Keys, check_name
+
+
+def every_key(keys: Keys) -> dict[str, str]:
+    """Every stream and key name ``Keys`` can produce (rq queues excepted: rq adds its own prefix)."""
+    out: dict[str, str] = {}
+    for name, member in inspect.getmembers(type(keys)):
+        if name.startswith("_") or name in ("namespace", "prefix", "rollout_queue", "eval_queue"):
+            continue
+        if isinstance(member, property):
+            out[name] = getattr(keys, name)
+        elif inspect.isfunction(member):
+            params = [p for p in inspect.signature(member).parameters if p != "self"]
+            if name == "event_streams":
+                out |= {f"event_streams[{i}]": s for i, s in enumerate(keys.event_streams())}
+            elif params in (["stream"], ["stream", "key"]):
+                args = [keys.rollout_stream, "req-1"][: len(params)]
+                out[name] = getattr(keys, name)(*args)
+            else:
+                out[name] = getattr(keys, name)(*["p-" + p for p in params])
+    return out
+
+
+def test_every_key_name_carries_the_namespace_hash_tag() -> None:
+    keys = Keys("ns-1")
+    names = every_key(keys)
+    assert len(names) >= 15
+    for what, name in names.items():
+        assert name.startswith("rb:{ns-1}:"), what
+        assert name.index("{") == 3 and name.count("{") == 1, what  # the first {...} is the hash tag
+
+
+def test_all_keys_of_a_namespace_hash_to_one_cluster_slot() -> None:
+    keys = Keys("ns-1")
+    slots = {key_slot(name.encode()) for name in every_key(keys).values()}
+    assert slots == {key_slot(b"ns-1")}
+    assert key_slot(Keys("ns-2").rollout_stream.encode()) == key_slot(b"ns-2")
+
+
+def test_key_names_are_distinct() -> None:
+    names = {k: v for k, v in every_key(Keys("n")).items() if not k.startswith("event_streams")}
+    assert len(set(names.values())) == len(names)
+    assert set(Keys("n").event_streams()) <= set(names.values())
+
+
+def test_dedupe_keys_of_a_policy_named_like_a_stream_do_not_collide() -> None:
+    keys = Keys("n")
+    assert keys.dedupe(keys.rollout_stream, "k") != keys.dedupe(keys.batch_stream("rollouts"), "k")
+    assert keys.dedupe(keys.batch_stream("a"), "k") != keys.dedupe(keys.batch_stream("b"), "k")
+
+
+def test_rq_queue_names_carry_the_namespace() -> None:
+    keys = Keys("ns-1")
+    assert keys.rollout_queue == "rb.ns-1.rollouts"
+    assert keys.eval_queue == "rb.ns-1.eval"
+
+
+def test_the_namespace_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLOUT_BUS_NAMESPACE", "from-env")
+    assert Keys.from_env().namespace == "from-env"
+    monkeypatch.delenv("ROLLOUT_BUS_NAMESPACE")
+    assert Keys.from_env().namespace == DEFAULT_NAMESPACE
+
+
+@pytest.mark.parametrize("good", ["a", "policy_1", "v1.2-beta", "A" * 64])
+def test_check_name_accepts_plain_names(good: str) -> None:
+    assert check_name("policy", good) == good
+
+
+@pytest.mark.parametrize("bad", ["", "a:b", "a{b}", "a b", "a/b", "é", "a\n", "*", "A" * 65])
+def test_check_name_rejects_names_that_could_break_a_key(bad: str) -> None:
+    with pytest.raises(ValueError, match="policy"):
+        check_name("policy", bad)
+
+
+def test_keys_reject_a_bad_namespace_policy_and_source() -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        Keys("a}b")
+    with pytest.raises(ValueError, match="policy"):
+        Keys("n").batch_stream("x:y")
+    with pytest.raises(ValueError, match="policy"):
+        Keys("n").data_cursor("", "src")

@@ -1,0 +1,65 @@
+"""Idempotent publishing against fakeredis."""
+
+from __future__ import annotations
+
+import redis
+
+from events.names import Keys
+from events.publish import Publisher
+from events.schema import EngineReady, Producer, decode
+
+PRODUCER = Producer("controller", "c-0")
+
+
+def ready(engine_id: str = "e1") -> EngineReady:
+    return EngineReady(producer=PRODUCER, engine_id=engine_id, url="http://127.0.0.1:30000")
+
+
+def test_publishing_the_same_key_twice_adds_one_entry_and_returns_the_same_id(
+        fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER)
+    first = pub.publish(keys.engine_stream, ready("e1"), idempotency_key="req-1")
+    again = pub.publish(keys.engine_stream, ready("e2"), idempotency_key="req-1")
+    assert again == first
+    entries = fake_client.xrange(keys.engine_stream)
+    assert [e[0].decode() for e in entries] == [first]
+    assert decode(entries[0][1]).engine_id == "e1"  # type: ignore[attr-defined]
+
+
+def test_a_retried_event_is_deduplicated_by_its_event_id(fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER)
+    event = ready()
+    assert pub.publish(keys.engine_stream, event) == pub.publish(keys.engine_stream, event)
+    assert fake_client.xlen(keys.engine_stream) == 1
+    pub.publish(keys.engine_stream, ready())
+    assert fake_client.xlen(keys.engine_stream) == 2
+
+
+def test_the_dedupe_key_expires_after_its_ttl(fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER, dedupe_ttl_s=90)
+    entry_id = pub.publish(keys.engine_stream, ready(), idempotency_key="k")
+    dedupe = keys.dedupe(keys.engine_stream, "k")
+    assert fake_client.get(dedupe) == entry_id.encode()
+    assert 0 < fake_client.ttl(dedupe) <= 90
+
+
+def test_the_same_key_on_two_streams_publishes_twice(fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER)
+    pub.publish(keys.engine_stream, ready(), idempotency_key="k")
+    pub.publish(keys.batch_stream("engines"), ready(), idempotency_key="k")
+    assert fake_client.xlen(keys.engine_stream) == 1
+    assert fake_client.xlen(keys.batch_stream("engines")) == 1
+
+
+def test_fields_without_a_key_are_appended_every_time(fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER)
+    ids = {pub.publish_fields(keys.engine_stream, {b"x": b"1"}) for _ in range(3)}
+    assert len(ids) == 3
+    assert fake_client.keys(keys.prefix.replace("{", "[{]") + ":dedupe:*") == []
+
+
+def test_maxlen_caps_the_stream(fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER)
+    for _ in range(30):
+        pub.publish(keys.engine_stream, ready(), maxlen=5)
+    assert 5 <= fake_client.xlen(keys.engine_stream) < 30
