@@ -1,0 +1,185 @@
+"""Export a namespace's streams (by id or by time) to a log file, sample batches included.
+
+Entries of all streams are merged into one order by entry id (one server clock) and
+written as they are paged from Redis; nothing is held in memory beyond one page per
+stream and one payload. For every ``BatchReady`` the payload bytes are fetched through a
+``PayloadSource`` and written just before the entry.
+
+Ids order entries of different streams only to the millisecond (the sequence part counts
+per stream): entries of one millisecond are taken stream by stream, in
+``discover_streams`` order, which is the same live and after an import.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import redis
+
+from events.connection import Guard
+from events.errors import PayloadMissing
+from events.logfile import (
+    BATCHES,
+    Header,
+    LogEntry,
+    LogWriter,
+    Payload,
+    StreamRange,
+    batch_stream_pattern,
+    id_key,
+    is_batch_ready,
+    logical_stream,
+    stream_key,
+)
+from events.names import Keys
+from events.replay import page
+from events.schema import BatchReady
+
+log = logging.getLogger(__name__)
+
+
+class PayloadSource(Protocol):
+    """Reads the payload bytes a ``BatchReady`` refers to (raises ``PayloadMissing`` when gone)."""
+
+    def read(self, event: BatchReady) -> bytes | memoryview: ...
+
+
+@dataclass(frozen=True)
+class Range:
+    """An id range; ``by_time`` builds one from wall-clock milliseconds (the entry ids' clock)."""
+
+    start: str = "-"
+    end: str = "+"
+
+    @classmethod
+    def by_time(cls, since_ms: int | None = None, until_ms: int | None = None) -> Range:
+        return cls("-" if since_ms is None else f"{since_ms}-0",
+                   "+" if until_ms is None else f"{until_ms}-18446744073709551615")
+
+
+@dataclass
+class ExportStats:
+    entries: dict[str, int] = field(default_factory=dict)
+    payloads: int = 0
+    payload_bytes: int = 0
+    missing_payloads: list[str] = field(default_factory=list)
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def discover_streams(client: redis.Redis, keys: Keys, *, guard: Guard | None = None) -> list[str]:
+    """Every existing stream of the namespace: the fixed ones, then each policy's batch stream."""
+    def run(c: redis.Redis) -> list[str]:
+        found = [st for st in (*keys.event_streams(), keys.dead_letters) if c.exists(st)]
+        batch = {_s(raw) for raw in c.scan_iter(match=batch_stream_pattern(keys), count=1000, _type="stream")}
+        for raw in c.hkeys(keys.policy_registry):
+            candidate = keys.batch_stream(_s(raw))
+            if c.exists(candidate):
+                batch.add(candidate)
+        return found + sorted(batch)
+    return (guard or Guard(client, name="export")).call(run)
+
+
+def _group_info(c: redis.Redis, stream: str, info: dict[Any, Any]) -> dict[str, Any]:
+    name, pending, last = _s(info["name"]), int(info["pending"]), _s(info["last-delivered-id"])
+    ms, _, seq = last.partition("-")
+    first_needed = f"{ms}-{int(seq or 0) + 1}"
+    if pending > 0:
+        oldest = _s(c.xpending(stream, name)["min"])
+        first_needed = min(first_needed, oldest, key=id_key)
+    lag, read = info.get("lag"), info.get("entries-read")
+    return {
+        "name": name, "consumers": int(info["consumers"]), "pending": pending, "last_delivered_id": last,
+        "first_needed_id": first_needed, "entries_read": None if read is None else int(read),
+        "lag": None if lag is None else int(lag),
+    }
+
+
+def group_infos(client: redis.Redis, stream: str, *, guard: Guard | None = None) -> list[dict[str, Any]]:
+    """XINFO GROUPS of ``stream`` as plain JSON-able dicts, with each group's first unacked entry."""
+    def run(c: redis.Redis) -> list[dict[str, Any]]:
+        if not c.exists(stream):
+            return []
+        return [_group_info(c, stream, info) for info in c.xinfo_groups(stream)]
+    return (guard or Guard(client, name="export")).call(run)
+
+
+def _range_of(client: redis.Redis, keys: Keys, stream: str, rng: Range, guard: Guard) -> StreamRange:
+    length = int(guard.call(lambda c: c.xlen(stream)))
+    return StreamRange(logical_stream(keys, stream), rng.start, rng.end, length,
+                       group_infos(client, stream, guard=guard))
+
+
+def _stream_entries(client: redis.Redis, keys: Keys, stream: str, rng: Range, guard: Guard,
+                    count: int) -> Iterator[tuple[tuple[int, int], LogEntry]]:
+    logical = logical_stream(keys, stream)
+    for entry_id, fields in page(client, stream, rng.start, rng.end, count=count, guard=guard):
+        entry = LogEntry(logical, entry_id, fields)
+        yield entry.sort_key, entry
+
+
+def read_live(client: redis.Redis, keys: Keys, streams: Sequence[str] | None = None, rng: Range | None = None,
+              *, count: int = 500, guard: Guard | None = None) -> Iterator[LogEntry]:
+    """Every entry of ``streams`` (default: all of the namespace) in ``rng``, merged in entry-id order."""
+    g = guard or Guard(client, name="export")
+    chosen = list(streams) if streams is not None else discover_streams(client, keys, guard=g)
+    r = rng or Range()
+    merged = heapq.merge(*(_stream_entries(client, keys, s, r, g, count) for s in chosen), key=lambda t: t[0])
+    for _, entry in merged:
+        yield entry
+
+
+def export_log(client: redis.Redis, keys: Keys, out: str | Path | IO[bytes], *,
+               streams: Sequence[str] | None = None, rng: Range | None = None,
+               payloads: PayloadSource | None = None, count: int = 500,
+               guard: Guard | None = None) -> ExportStats:
+    """Write the entries of ``streams`` in ``rng`` (default: everything) to ``out``.
+
+    ``streams`` are Redis keys of the namespace (see ``stream_key`` for logical names).
+    Without ``payloads`` no batch bytes are written (a metadata-only log). A payload that
+    is gone is logged and listed in the stats; the entry is still written.
+    """
+    g = guard or Guard(client, name="export")
+    chosen = list(streams) if streams is not None else discover_streams(client, keys, guard=g)
+    r = rng or Range()
+    ranges = [_range_of(client, keys, st, r, g) for st in chosen]
+    header = Header(keys.namespace, time.time_ns() // 1_000_000, ranges)
+    if isinstance(out, str | Path):
+        with Path(out).open("wb") as fh:
+            return _write(client, keys, fh, header, chosen, r, payloads, count, g)
+    return _write(client, keys, out, header, chosen, r, payloads, count, g)
+
+
+def _write(client: redis.Redis, keys: Keys, fh: IO[bytes], header: Header, streams: list[str], rng: Range,
+           payloads: PayloadSource | None, count: int, guard: Guard) -> ExportStats:
+    writer = LogWriter(fh, header)
+    stats = ExportStats()
+    for entry in read_live(client, keys, streams, rng, count=count, guard=guard):
+        event = is_batch_ready(entry) if payloads is not None and entry.stream.startswith(BATCHES) else None
+        if event is not None and payloads is not None:
+            try:
+                data = payloads.read(event)
+            except PayloadMissing as exc:
+                log.warning("batch %s (%s %s): payload missing: %s", event.batch_id, entry.stream, entry.id, exc)
+                stats.missing_payloads.append(event.batch_id)
+            else:
+                writer.payload(Payload(entry.stream, entry.id, event.batch_id, event.payload, data))
+                stats.payloads += 1
+                stats.payload_bytes += memoryview(data).nbytes
+        writer.entry(entry)
+    writer.close()
+    stats.entries = dict(writer.entries)
+    return stats
+
+
+def resolve_streams(keys: Keys, names: Sequence[str]) -> list[str]:
+    """Redis keys for logical stream names (``engines``, ``batches/p0``...)."""
+    return [stream_key(keys, n) for n in names]

@@ -1,0 +1,299 @@
+"""The event-log file: a stream of msgpack records, written and read without holding it in memory.
+
+A log file is one msgpack map per record, one after the other::
+
+    {"kind": "header", "format": "rollout-bus-log", "format_version": 1, "namespace": ..,
+     "created_ms": .., "ranges": [{"stream", "start", "end", "length", "groups"}, ..]}
+    {"kind": "payload", "stream", "entry_id", "batch_id", "ref", "size", "sha256", "part", "parts", "data"}
+    {"kind": "entry", "stream": "batches/p0", "id": "1700000000000-0", "fields": {b"e": b"..."}}
+    ...
+    {"kind": "end", "entries": {stream: n}, "payloads": n}
+
+Streams are named by their *logical* name (``engines``, ``weights``, ``batches/<policy>``,
+``dead-letters``...), never by their Redis key, so a log imports into any namespace.
+Entries of all streams are written in one global order (by entry id). A batch's payload
+bytes come *before* its ``BatchReady`` entry, cut in parts of at most ``PART_BYTES``, so a
+reader that restores them has every payload in place before the entry that refers to it.
+The ``end`` record tells a complete log from a truncated one. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgpack
+
+from events.errors import DecodeError
+from events.names import Keys
+from events.schema import BatchReady, Event, decode
+
+log = logging.getLogger(__name__)
+
+FORMAT = "rollout-bus-log"
+FORMAT_VERSION = 1
+PART_BYTES = 16 << 20
+_MAX_RECORD_BYTES = 128 << 20  # one record: a payload part or an entry (dead letters keep raw fields)
+BATCHES = "batches/"
+
+
+# --- logical stream names ------------------------------------------------------------------
+
+def _fixed_streams(keys: Keys) -> dict[str, str]:
+    return {
+        "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
+        "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
+    }
+
+
+def logical_stream(keys: Keys, key: str) -> str:
+    """The namespace-free name of stream ``key`` (``engines``, ``batches/p0``...)."""
+    for name, stream in _fixed_streams(keys).items():
+        if stream == key:
+            return name
+    policy = key.rsplit(":", 1)[-1]
+    if keys.batch_stream(policy) == key:
+        return BATCHES + policy
+    raise ValueError(f"{key!r} is not a stream of namespace {keys.namespace!r}")
+
+
+def stream_key(keys: Keys, logical: str) -> str:
+    """The Redis key of logical stream ``logical`` in ``keys``' namespace."""
+    if logical.startswith(BATCHES):
+        return keys.batch_stream(logical[len(BATCHES):])
+    try:
+        return _fixed_streams(keys)[logical]
+    except KeyError:
+        raise ValueError(f"unknown logical stream {logical!r}") from None
+
+
+def batch_stream_pattern(keys: Keys) -> str:
+    """A SCAN pattern matching every batch stream of the namespace."""
+    probe = keys.batch_stream("_")
+    return probe[: -len("_")] + "*"
+
+
+# --- records --------------------------------------------------------------------------------
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def id_ms(entry_id: str) -> int:
+    return id_key(entry_id)[0]
+
+
+@dataclass(frozen=True)
+class StreamRange:
+    """One exported stream: the range asked for, its length at export and its groups then."""
+
+    stream: str
+    start: str = "-"
+    end: str = "+"
+    length: int = 0
+    groups: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Header:
+    namespace: str
+    created_ms: int
+    ranges: list[StreamRange]
+    format_version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One stream entry, as stored: logical stream name, entry id, raw fields."""
+
+    stream: str
+    id: str
+    fields: dict[bytes, bytes] = field(repr=False)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return id_key(self.id)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The bytes a ``BatchReady`` entry refers to."""
+
+    stream: str
+    entry_id: str
+    batch_id: str
+    ref: dict[str, Any]
+    data: bytes | memoryview = field(repr=False)
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    """A decoded entry."""
+
+    stream: str
+    id: str
+    event: Event
+
+    @property
+    def ms(self) -> int:
+        return id_ms(self.id)
+
+
+Record = LogEntry | Payload
+
+
+def decode_entries(entries: Iterable[LogEntry], *, skipped: list[LogEntry] | None = None) -> Iterator[LogEvent]:
+    """The events among ``entries``; dead letters and undecodable entries are skipped (and collected)."""
+    for entry in entries:
+        if entry.stream == "dead-letters":
+            continue
+        try:
+            event = decode(entry.fields)
+        except DecodeError as exc:
+            log.warning("skipping undecodable entry %s %s: %s", entry.stream, entry.id, exc.reason)
+            if skipped is not None:
+                skipped.append(entry)
+            continue
+        yield LogEvent(entry.stream, entry.id, event)
+
+
+def only_entries(records: Iterable[Record]) -> Iterator[LogEntry]:
+    return (r for r in records if isinstance(r, LogEntry))
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+class LogWriter:
+    """Writes a log file record by record; ``close`` writes the ``end`` record."""
+
+    def __init__(self, out: IO[bytes], header: Header) -> None:
+        self._out = out
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self.entries: dict[str, int] = {}
+        self.payloads = 0
+        self._write({
+            "kind": "header", "format": FORMAT, "format_version": header.format_version,
+            "namespace": header.namespace, "created_ms": header.created_ms,
+            "ranges": [{"stream": r.stream, "start": r.start, "end": r.end, "length": r.length,
+                        "groups": r.groups} for r in header.ranges],
+        })
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._out.write(self._packer.pack(record))
+
+    def entry(self, entry: LogEntry) -> None:
+        self._write({"kind": "entry", "stream": entry.stream, "id": entry.id, "fields": entry.fields})
+        self.entries[entry.stream] = self.entries.get(entry.stream, 0) + 1
+
+    def payload(self, payload: Payload) -> None:
+        data = memoryview(payload.data)
+        parts = max(1, -(-len(data) // PART_BYTES))
+        digest = hashlib.sha256(data).hexdigest()
+        for part in range(parts):
+            self._write({
+                "kind": "payload", "stream": payload.stream, "entry_id": payload.entry_id,
+                "batch_id": payload.batch_id, "ref": payload.ref, "size": len(data), "sha256": digest,
+                "part": part, "parts": parts, "data": data[part * PART_BYTES:(part + 1) * PART_BYTES],
+            })
+        self.payloads += 1
+
+    def close(self) -> None:
+        self._write({"kind": "end", "entries": self.entries, "payloads": self.payloads})
+        self._out.flush()
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+class LogReader:
+    """Reads a log file lazily: ``header`` at once, then records in file order.
+
+    A file without its ``end`` record raises ``DecodeError`` at the end of the iteration
+    (a cut or still-growing file) unless ``allow_truncated``.
+    """
+
+    def __init__(self, path: str | Path, *, allow_truncated: bool = False) -> None:
+        self.path = Path(path)
+        self.allow_truncated = allow_truncated
+        self.complete = False
+        self.counts: dict[str, Any] = {}
+        self._file = self.path.open("rb")
+        self._unpacker = msgpack.Unpacker(self._file, raw=False, strict_map_key=False,
+                                          max_buffer_size=_MAX_RECORD_BYTES)
+        self.header = self._read_header()
+
+    def _next(self) -> dict[str, Any] | None:
+        try:
+            record = self._unpacker.unpack()
+        except msgpack.OutOfData:
+            return None
+        except Exception as exc:
+            raise DecodeError(f"{self.path}: not a rollout-bus log record: {exc}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+            raise DecodeError(f"{self.path}: malformed record")
+        return record
+
+    def _read_header(self) -> Header:
+        first = self._next()
+        if first is None or first.get("kind") != "header" or first.get("format") != FORMAT:
+            raise DecodeError(f"{self.path}: not a {FORMAT} file")
+        if first.get("format_version") != FORMAT_VERSION:
+            raise DecodeError(f"{self.path}: format version {first.get('format_version')!r}, "
+                              f"this reader knows {FORMAT_VERSION}")
+        ranges = [StreamRange(r["stream"], r["start"], r["end"], r["length"], r.get("groups", []))
+                  for r in first["ranges"]]
+        return Header(first["namespace"], first["created_ms"], ranges, first["format_version"])
+
+    def __iter__(self) -> Iterator[Record]:
+        parts: list[bytes] = []
+        while (record := self._next()) is not None:
+            kind = record["kind"]
+            if kind == "entry":
+                yield LogEntry(record["stream"], record["id"], record["fields"])
+            elif kind == "payload":
+                parts.append(record["data"])
+                if len(parts) == record["parts"]:
+                    data = b"".join(parts)
+                    parts = []
+                    if len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+                        raise DecodeError(f"{self.path}: payload of batch {record['batch_id']} is corrupt")
+                    yield Payload(record["stream"], record["entry_id"], record["batch_id"], record["ref"], data)
+            elif kind == "end":
+                self.complete = True
+                self.counts = record
+                return
+            else:
+                raise DecodeError(f"{self.path}: unknown record kind {kind!r}")
+        if not self.allow_truncated:
+            raise DecodeError(f"{self.path}: truncated log (no end record)")
+        log.warning("%s: truncated log (no end record)", self.path)
+
+    def entries(self) -> Iterator[LogEntry]:
+        return only_entries(self)
+
+    def events(self) -> Iterator[LogEvent]:
+        return decode_entries(self.entries())
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> LogReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def is_batch_ready(entry: LogEntry) -> BatchReady | None:
+    """The ``BatchReady`` event of a batch-stream entry, or None."""
+    if not entry.stream.startswith(BATCHES):
+        return None
+    try:
+        event = decode(entry.fields)
+    except DecodeError:
+        return None
+    return event if isinstance(event, BatchReady) else None

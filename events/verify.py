@@ -1,0 +1,185 @@
+"""Invariants of a run, checked over its event log.
+
+- No engine used a version it never received: every version in ``WeightsApplied``,
+  ``EngineServing``, ``WeightVersionServing`` and a batch's sample versions (the event's
+  min and max, and with ``verify_log`` every sample's from the exported payload) was published
+  before (``WeightsPublished``), and every version an engine announced as serving was
+  applied to that engine since it was (re)launched. ``base_version`` is the version engines launch with
+  (the controller's initial checkpoint); it counts as published and received.
+- Every completed request has exactly one batch, and it is the batch it names.
+- No version went backwards: per policy published and serving, per engine and policy applied.
+
+Each ``Violation`` names its kind, the ids involved and the entries (``stream@id``) that
+show it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from events import schema as s
+from events.batch import decode
+from events.errors import DecodeError
+from events.logfile import LogEvent, LogReader, Payload, decode_entries
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["version_not_published", "version_not_received", "version_backwards", "missing_batch",
+               "duplicate_batch", "batch_mismatch", "duplicate_completion"]
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: Kind
+    message: str
+    ids: dict[str, Any]
+    entries: list[str]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message} [{', '.join(self.entries)}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message, "ids": self.ids, "entries": self.entries}
+
+
+@dataclass
+class VerifyConfig:
+    base_version: int | None = 0
+
+
+def _ref(item: LogEvent) -> str:
+    return f"{item.stream}@{item.id}"
+
+
+@dataclass
+class _Check:
+    config: VerifyConfig
+    violations: list[Violation] = field(default_factory=list)
+    published: dict[str, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
+    applied: dict[tuple[str, str], dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
+    last: dict[tuple[str, ...], tuple[int, str]] = field(default_factory=dict)
+    completed: dict[str, list[tuple[str, LogEvent]]] = field(default_factory=lambda: defaultdict(list))
+    batches: dict[str, list[tuple[str, LogEvent]]] = field(default_factory=lambda: defaultdict(list))
+    sample_versions: dict[tuple[str, str], set[int]] = field(default_factory=dict)
+
+    def add(self, kind: Kind, message: str, ids: dict[str, Any], *entries: str) -> None:
+        self.violations.append(Violation(kind, message, ids, list(entries)))
+
+    def is_base(self, version: int) -> bool:
+        return self.config.base_version is not None and version == self.config.base_version
+
+    def need_published(self, item: LogEvent, policy: str, version: int, what: str, **ids: Any) -> bool:
+        if version in self.published[policy] or self.is_base(version):
+            return True
+        self.add("version_not_published", f"{what} version {version} of policy {policy!r}, never published",
+                 {"policy": policy, "version": version, **ids}, _ref(item))
+        return False
+
+    def monotonic(self, key: tuple[str, ...], version: int, item: LogEvent, what: str, ids: dict[str, Any]) -> None:
+        prev = self.last.get(key)
+        if prev is not None and version < prev[0]:
+            self.add("version_backwards", f"{what} went from {prev[0]} back to {version}",
+                     {**ids, "version": version, "previous": prev[0]}, prev[1], _ref(item))
+        if prev is None or version >= prev[0]:
+            self.last[key] = (version, _ref(item))
+
+    def event(self, item: LogEvent) -> None:
+        ev = item.event
+        if isinstance(ev, s.WeightsPublished):
+            self.monotonic(("published", ev.policy), ev.version, item, f"published version of {ev.policy!r}",
+                           {"policy": ev.policy})
+            self.published[ev.policy].setdefault(ev.version, _ref(item))
+        elif isinstance(ev, s.WeightsApplied):
+            ids = {"engine_id": ev.engine_id}
+            self.need_published(item, ev.policy, ev.version, f"engine {ev.engine_id} applied", **ids)
+            self.monotonic(("applied", ev.engine_id, ev.policy), ev.version, item,
+                           f"version of {ev.policy!r} applied on engine {ev.engine_id}", {"policy": ev.policy, **ids})
+            self.applied[(ev.engine_id, ev.policy)].setdefault(ev.version, _ref(item))
+        elif isinstance(ev, s.EngineLaunching):  # a new process: it holds only its launch weights
+            for key in [k for k in self.applied if k[0] == ev.engine_id]:
+                del self.applied[key]
+        elif isinstance(ev, s.EngineServing):
+            for policy, version in sorted(ev.versions.items()):
+                what = f"engine {ev.engine_id} served"
+                if (self.need_published(item, policy, version, what, engine_id=ev.engine_id)
+                        and version not in self.applied[(ev.engine_id, policy)] and not self.is_base(version)):
+                    self.add("version_not_received",
+                             f"{what} version {version} of policy {policy!r}, never applied to it",
+                             {"engine_id": ev.engine_id, "policy": policy, "version": version}, _ref(item))
+        elif isinstance(ev, s.WeightVersionServing):
+            self.need_published(item, ev.policy, ev.version, "policy announced serving")
+            self.monotonic(("serving", ev.policy), ev.version, item, f"serving version of {ev.policy!r}",
+                           {"policy": ev.policy})
+        elif isinstance(ev, s.BatchReady):
+            samples = self.sample_versions.pop((item.stream, item.id), set())
+            for version in sorted({ev.min_weight_version, ev.max_weight_version} | samples):
+                self.need_published(item, ev.policy, version, f"batch {ev.batch_id} has samples of",
+                                    batch_id=ev.batch_id, request_id=ev.request_id)
+            self.batches[ev.request_id].append((ev.batch_id, item))
+        elif isinstance(ev, s.RolloutCompleted):
+            self.completed[ev.request_id].append((ev.batch_id, item))
+
+    def finish(self) -> list[Violation]:
+        for request_id, batches in self.batches.items():
+            if len(batches) > 1:
+                ids = sorted({b for b, _ in batches})
+                self.add("duplicate_batch", f"request {request_id} has {len(batches)} batches: {', '.join(ids)}",
+                         {"request_id": request_id, "batch_ids": ids}, *(_ref(i) for _, i in batches))
+        for request_id, completions in self.completed.items():
+            refs = [_ref(i) for _, i in completions]
+            if len(completions) > 1:
+                self.add("duplicate_completion", f"request {request_id} completed {len(completions)} times",
+                         {"request_id": request_id}, *refs)
+            batches = self.batches.get(request_id, [])
+            named = completions[0][0]
+            if not batches:
+                self.add("missing_batch", f"request {request_id} completed with batch {named}, which never appeared",
+                         {"request_id": request_id, "batch_id": named}, *refs)
+            elif len(batches) == 1 and batches[0][0] != named:
+                self.add("batch_mismatch",
+                         f"request {request_id} completed naming batch {named}, but its batch is {batches[0][0]}",
+                         {"request_id": request_id, "batch_id": named, "actual_batch_id": batches[0][0]},
+                         *refs, _ref(batches[0][1]))
+        return self.violations
+
+
+def verify(events: Iterable[LogEvent], config: VerifyConfig | None = None) -> list[Violation]:
+    """Every violation in ``events`` (in entry-id order), in the order found."""
+    check = _Check(config or VerifyConfig())
+    for item in events:
+        check.event(item)
+    return check.finish()
+
+
+def sample_versions(data: bytes | memoryview) -> set[int]:
+    """Every weight version the samples of an encoded batch (``events.batch``) report."""
+    batch = decode(bytearray(data), verify=False)
+    found: set[int] = set()
+    for name in ("weight_versions", "weight_versions_max"):
+        if name in batch.tensors:
+            found.update(int(v) for v in batch.tensors[name].tolist())
+    return found
+
+
+def verify_log(path: str | Path, config: VerifyConfig | None = None, *, samples: bool = True,
+               allow_truncated: bool = False) -> list[Violation]:
+    """``verify`` over a log file; with ``samples``, each exported batch's per-sample versions count too."""
+    check = _Check(config or VerifyConfig())
+    with LogReader(path, allow_truncated=allow_truncated) as reader:
+        for record in reader:
+            if isinstance(record, Payload):
+                if samples:
+                    try:
+                        check.sample_versions[(record.stream, record.entry_id)] = sample_versions(record.data)
+                    except DecodeError as exc:
+                        log.warning("batch %s: payload not readable (%s): only its event's versions are checked",
+                                    record.batch_id, exc.reason)
+                continue
+            for item in decode_entries([record]):
+                check.event(item)
+    return check.finish()

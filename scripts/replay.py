@@ -1,0 +1,214 @@
+"""Event logs of a rollout-bus namespace: export, import, timeline, verify, feed.
+
+    python scripts/replay.py export run.rblog [--stream weights --stream batches/p0] [--since-ms MS] [--until-ms MS]
+    python scripts/replay.py import run.rblog --namespace copy [--restore-groups]
+    python scripts/replay.py timeline run.rblog [--at-ms MS] [--json]      # or --live instead of a file
+    python scripts/replay.py verify run.rblog [--base-version 0 | --strict] [--json]
+    python scripts/replay.py feed run.rblog [--policy p0] [--limit N]
+
+``--redis-url`` (default ``$REDIS_URL``) and ``--namespace`` (default
+``$ROLLOUT_BUS_NAMESPACE`` or ``default``) name the live side. ``verify`` exits 1 when it
+finds a violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as ``python scripts/replay.py`` from a checkout
+    sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger(__name__)
+
+
+def _live_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="default $REDIS_URL")
+    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", "default"),
+                   help="default $ROLLOUT_BUS_NAMESPACE or 'default'")
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--payload-store", default="redis", metavar="SPEC",
+                   help="payload store for references it cannot open otherwise: redis, shm[:/dir], file:/dir")
+
+
+def _source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("log", nargs="?", help="a log file (or --live)")
+    p.add_argument("--live", action="store_true", help="read the namespace's streams instead of a file")
+    p.add_argument("--allow-truncated", action="store_true", help="read a log without its end record")
+    _live_args(p)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replay.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ex = sub.add_parser("export", help="write a namespace's streams (and batch payloads) to a log file")
+    ex.add_argument("out", help="log file to write")
+    ex.add_argument("--stream", action="append", metavar="NAME",
+                    help="logical stream (engines, weights, commands, rollouts, trainers, dead-letters, "
+                         "batches/<policy>); repeat; default all")
+    ex.add_argument("--start", default="-", help="first entry id (inclusive)")
+    ex.add_argument("--end", default="+", help="last entry id (inclusive)")
+    ex.add_argument("--since-ms", type=int, help="from this wall-clock time (ms), instead of --start")
+    ex.add_argument("--until-ms", type=int, help="up to this wall-clock time (ms), instead of --end")
+    ex.add_argument("--no-payloads", action="store_true", help="leave batch payload bytes out")
+    _store_args(ex)
+    _live_args(ex)
+
+    im = sub.add_parser("import", help="write a log file into a namespace (ids kept where the streams allow)")
+    im.add_argument("log")
+    im.add_argument("--stream", action="append", metavar="NAME", help="only these logical streams")
+    im.add_argument("--restore-groups", action="store_true",
+                    help="recreate consumer groups at their first unacknowledged entry")
+    im.add_argument("--no-payloads", action="store_true", help="do not restore batch payloads")
+    im.add_argument("--payload-ttl-s", type=int, default=24 * 3600, help="TTL of restored payloads (default 1 day)")
+    im.add_argument("--allow-truncated", action="store_true")
+    _store_args(im)
+    _live_args(im)
+
+    tl = sub.add_parser("timeline", help="rebuild engine, policy, batch and trainer state at a moment")
+    _source_args(tl)
+    tl.add_argument("--at-ms", type=int, help="state as of this entry-id time (default: end of log)")
+    tl.add_argument("--batches", type=int, default=20, metavar="N", help="show the newest N batches (0: all)")
+    tl.add_argument("--json", action="store_true")
+
+    ve = sub.add_parser("verify", help="check a log's invariants; exit 1 on any violation")
+    _source_args(ve)
+    group = ve.add_mutually_exclusive_group()
+    group.add_argument("--base-version", type=int, default=0,
+                       help="version engines launch with before any publish (default 0)")
+    group.add_argument("--strict", action="store_true", help="every version must be published")
+    ve.add_argument("--no-samples", action="store_true",
+                    help="check batches' versions from their events only, not every sample's from the payloads")
+    ve.add_argument("--json", action="store_true")
+
+    fe = sub.add_parser("feed", help="list the recorded batches, in the order a trainer would get them")
+    fe.add_argument("log")
+    fe.add_argument("--policy", help="only this policy's batches")
+    fe.add_argument("--limit", type=int, default=0, help="stop after N batches (0: all)")
+    return p
+
+
+def _events(args: argparse.Namespace) -> Iterator[Any]:
+    from events.logexport import read_live
+    from events.logfile import LogReader, decode_entries
+
+    if args.live:
+        from events.connection import connect
+        from events.names import Keys
+
+        client = connect(args.redis_url)
+        try:
+            yield from decode_entries(read_live(client, Keys(args.namespace)))
+        finally:
+            client.close()
+        return
+    with LogReader(args.log, allow_truncated=args.allow_truncated) as reader:
+        yield from reader.events()
+
+
+def _check_source(args: argparse.Namespace) -> None:
+    if args.live == bool(args.log):
+        raise SystemExit("give either a log file or --live")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from events.connection import connect
+    from events.logexport import Range, export_log, resolve_streams
+    from events.logpayloads import payload_store
+    from events.names import Keys
+
+    keys = Keys(args.namespace)
+    client = connect(args.redis_url)
+    rng = Range(args.start, args.end)
+    if args.since_ms is not None or args.until_ms is not None:
+        rng = Range.by_time(args.since_ms, args.until_ms)
+    streams = resolve_streams(keys, args.stream) if args.stream else None
+    payloads = None if args.no_payloads else payload_store(client, keys, store=args.payload_store)
+    stats = export_log(client, keys, args.out, streams=streams, rng=rng, payloads=payloads)
+    print(json.dumps({"out": args.out, "entries": stats.entries, "payloads": stats.payloads,
+                      "payload_bytes": stats.payload_bytes, "missing_payloads": stats.missing_payloads}))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from events.connection import connect
+    from events.logimport import import_log
+    from events.logpayloads import payload_store
+    from events.names import Keys
+
+    keys = Keys(args.namespace)
+    client = connect(args.redis_url)
+    payloads = None if args.no_payloads else payload_store(client, keys, store=args.payload_store,
+                                                           ttl_s=args.payload_ttl_s)
+    stats = import_log(client, keys, args.log, payloads=payloads, streams=args.stream,
+                       restore_groups=args.restore_groups, allow_truncated=args.allow_truncated)
+    print(json.dumps({"namespace": keys.namespace, "entries": stats.entries, "ids_preserved": stats.ids_preserved,
+                      "skipped": stats.skipped, "payloads": stats.payloads, "rewritten_refs": stats.rewritten_refs,
+                      "groups": stats.groups}))
+    return 0
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from events.timeline import render, timeline
+
+    _check_source(args)
+    t = timeline(_events(args), at_ms=args.at_ms)
+    print(json.dumps(t.to_dict(), sort_keys=True) if args.json else render(t, max_batches=args.batches))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from events.verify import VerifyConfig, verify, verify_log
+
+    _check_source(args)
+    config = VerifyConfig(base_version=None if args.strict else args.base_version)
+    if args.live:
+        found = verify(_events(args), config)
+    else:
+        found = verify_log(args.log, config, samples=not args.no_samples, allow_truncated=args.allow_truncated)
+    if args.json:
+        print(json.dumps([v.to_dict() for v in found], sort_keys=True))
+    else:
+        for v in found:
+            print(v)
+        print(f"{len(found)} violation(s)" if found else "ok: no violations")
+    return 1 if found else 0
+
+
+def cmd_feed(args: argparse.Namespace) -> int:
+    from events.batch import Ragged
+    from events.feed import feed_batches
+
+    for n, (batch_id, tensors, meta) in enumerate(feed_batches(args.log, policy=args.policy), 1):
+        shapes = {name: [len(t)] if isinstance(t, Ragged) else list(t.shape) for name, t in sorted(tensors.items())}
+        ready = meta["batch_ready"]
+        print(json.dumps({"batch_id": batch_id, "policy": ready["policy"], "rollout_id": ready["rollout_id"],
+                          "n_samples": ready["n_samples"], "entry_id": ready["entry_id"], "fields": shapes},
+                         sort_keys=True))
+        if args.limit and n >= args.limit:
+            break
+    return 0
+
+
+COMMANDS = {"export": cmd_export, "import": cmd_import, "timeline": cmd_timeline, "verify": cmd_verify,
+            "feed": cmd_feed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Show a rollout-bus namespace: engines, policies, rq queues, streams, consumer lag, dead letters.
+
+    python scripts/status.py [--redis-url URL] [--namespace NS] [--json] [--watch SECONDS]
+    python scripts/status.py --serve-metrics 9100      # Prometheus exporter of the bus gauges
+
+Reads only (works with the read-only ``status`` ACL user). ``REDIS_URL`` and
+``ROLLOUT_BUS_NAMESPACE`` are the defaults of ``--redis-url`` and ``--namespace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+if TYPE_CHECKING:
+    from events.metrics import BusSnapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as ``python scripts/status.py`` from a checkout
+    sys.path.insert(0, str(ROOT))
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="status.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="redis:// or rediss:// URL (default $REDIS_URL, else redis://127.0.0.1:6379/0)")
+    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", "default"),
+                   help="rollout-bus namespace (default $ROLLOUT_BUS_NAMESPACE or 'default')")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
+    p.add_argument("--serve-metrics", type=int, metavar="PORT",
+                   help="serve the bus gauges on PORT at /metrics until stopped (no output)")
+    p.add_argument("--dead-letters", type=int, default=5, metavar="N", help="show the last N dead letters")
+    args = p.parse_args(argv)
+    if args.watch is not None and args.watch <= 0:
+        p.error("--watch must be > 0")
+    return args
+
+
+def redacted(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _versions(versions: dict[str, int]) -> str:
+    return ",".join(f"{p}={v}" for p, v in sorted(versions.items())) or "-"
+
+
+def render(snap: BusSnapshot, *, now_ms: int | None = None) -> str:
+    """The snapshot as plain-text tables."""
+    from events.timeline import format_table
+
+    now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
+    out = [f"namespace {snap.namespace}", "", "ENGINES", format_table(
+        ["engine", "state", "backend", "versions", "updating", "load", "offloaded", "age_s", "url"],
+        [[e.engine_id, str(e.state), e.backend, _versions(e.versions), _versions(e.updating), e.load,
+          ",".join(e.offloaded_tags) or "-", f"{max(0, now - e.updated_ms) / 1000:.1f}", e.url]
+         for e in sorted(snap.engines.values(), key=lambda e: e.engine_id)])]
+    out += ["", "POLICIES", format_table(
+        ["policy", "published", "serving", "uri"],
+        [[p.policy, p.published, p.serving, p.uri or "-"]
+         for p in sorted(snap.policies.values(), key=lambda p: p.policy)])]
+    out += ["", "QUEUES", format_table(
+        ["queue", "queued", "started", "failed", "deferred", "scheduled", "finished"],
+        [[q.name, q.queued, q.started, q.failed, q.deferred, q.scheduled, q.finished] for q in snap.queues])]
+    rows: list[list[Any]] = []
+    for st in snap.streams:
+        if not st.groups:
+            rows.append([st.stream, st.length, st.last_id, "-", "-", "-", "-"])
+        for g in st.groups:
+            lag = f"{g.lag}{'~' if g.lag_estimated else ''}"
+            rows.append([st.stream, st.length, st.last_id, g.name, g.consumers, g.pending, lag])
+    out += ["", "STREAMS", format_table(["stream", "length", "last_id", "group", "consumers", "pending", "lag"],
+                                        rows)]
+    out += ["", f"DEAD LETTERS {snap.dead_letters}"]
+    if snap.recent_dead_letters:
+        out.append(format_table(["id", "source", "group", "deliveries", "reason"],
+                                [[d["id"], d["source"], d["group"], d["deliveries"], d["reason"]]
+                                 for d in snap.recent_dead_letters]))
+    return "\n".join(out)
+
+
+def as_json(snap: BusSnapshot) -> str:
+    return json.dumps(dataclasses.asdict(snap), sort_keys=True, default=str)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from prometheus_client import REGISTRY
+
+    from events.connection import connect
+    from events.metrics import BusCollector, serve_metrics
+    from events.names import Keys
+
+    REGISTRY.register(BusCollector(connect(args.redis_url), Keys(args.namespace)))
+    server, _ = serve_metrics(args.serve_metrics)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log.info("bus metrics of namespace %s on :%d/metrics", args.namespace, server.server_port)
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    server.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.serve_metrics is not None:
+        return serve(args)
+    from events.connection import connect, redis_url
+    from events.errors import BusError
+    from events.metrics import bus_snapshot
+    from events.names import Keys
+
+    client = connect(args.redis_url)
+    keys = Keys(args.namespace)
+    try:
+        while True:
+            try:
+                snap = bus_snapshot(client, keys, recent_dead_letters=args.dead_letters)
+            except BusError as exc:
+                print(f"cannot read {redacted(redis_url(args.redis_url))}: {exc}", file=sys.stderr)
+                if args.watch is None:
+                    return 2
+            else:
+                text = as_json(snap) if args.json else render(snap)
+                if args.watch is not None and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[2J\x1b[H")
+                print(text, flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

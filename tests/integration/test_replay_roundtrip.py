@@ -1,0 +1,178 @@
+"""A live run exported, imported into a fresh redis-server, replayed: the same numbers come out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from events import schema as s
+from events.batches import BatchChannel
+from events.connection import connect
+from events.consume import Consumer, ConsumerConfig
+from events.embedded import RedisServer
+from events.feed import feed_batches
+from events.logexport import export_log, read_live
+from events.logfile import LogReader, decode_entries
+from events.logimport import import_log
+from events.logpayloads import payload_store
+from events.names import Keys
+from events.timeline import timeline
+from events.train_data import TrainData, ragged
+from events.verify import verify
+from scripts import replay
+from tests.unit.test_timeline import CTRL, POLICY, batch_ready, expected_final, publish_scenario, scenario
+
+pytestmark = pytest.mark.integration
+
+
+def train_data(rollout_id: int, vmin: int, vmax: int, n: int = 4) -> TrainData:
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]][:n]
+    responses = [[11 + i] * (i + 1) for i in range(n)]
+    return TrainData(
+        tokens=ragged([p + r for p, r in zip(prompts, responses, strict=True)], torch.int32),
+        loss_masks=ragged([[1] * len(r) for r in responses], torch.int32),
+        rollout_log_probs=ragged([[-0.5] * len(r) for r in responses], torch.float32),
+        prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+        response_lengths=torch.tensor([len(r) for r in responses], dtype=torch.int64),
+        rewards=torch.tensor([0.5, -0.5, 1.0, -1.0][:n], dtype=torch.float32),
+        raw_reward=torch.tensor([1.0, 0.0, 1.0, 0.0][:n], dtype=torch.float32),
+        truncated=torch.zeros(n, dtype=torch.int32),
+        sample_indices=torch.arange(n, dtype=torch.int64),
+        group_indices=torch.tensor([0, 0, 1, 1][:n], dtype=torch.int64),
+        rollout_ids=torch.full((n,), rollout_id, dtype=torch.int64),
+        weight_versions=torch.full((n,), vmin, dtype=torch.int64),
+        weight_versions_max=torch.full((n,), vmax, dtype=torch.int64),
+        metadata={"rollout_id": rollout_id})
+
+
+class BatchWriter:
+    """Publishes each scenario batch through the real ``BatchChannel`` (payload in the redis store)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.channel = BatchChannel(client, keys)
+        self.written: dict[str, TrainData] = {}
+
+    def __call__(self, ev: s.BatchReady) -> str:
+        data = train_data(ev.rollout_id, ev.min_weight_version, ev.max_weight_version)
+        fields, meta = data.to_tensors()
+        self.written[ev.batch_id] = data
+        return self.channel.publish(ev.policy, ev.batch_id, fields, meta, rollout_id=ev.rollout_id,
+                                    request_id=ev.request_id, min_weight_version=ev.min_weight_version,
+                                    max_weight_version=ev.max_weight_version)
+
+
+@pytest.fixture()
+def target() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def live_timeline(client: redis.Redis, keys: Keys) -> dict[str, object]:
+    return timeline(decode_entries(read_live(client, keys))).to_dict()
+
+
+def test_an_exported_run_imports_into_a_fresh_redis_and_replays_to_the_same_state(
+        redis_client: redis.Redis, keys: Keys, target: RedisServer, tmp_path: Path) -> None:
+    writer = BatchWriter(redis_client, keys)
+    publish_scenario(redis_client, keys, scenario(), writer)
+    trainer = Consumer(redis_client, keys, keys.batch_stream(POLICY), "trainer-p0", "t0-0",
+                       ConsumerConfig(block_ms=1, count=2, auto_ack=False))
+    read = trainer.read()
+    trainer.ack(read[0].id)  # the second batch stays pending, the third undelivered
+
+    path = tmp_path / "run.rblog"
+    stats = export_log(redis_client, keys, path, payloads=payload_store(redis_client, keys))
+    assert stats.payloads == 3 and not stats.missing_payloads
+
+    other = Keys(keys.namespace + "-replayed")
+    dest = connect(target.url)
+    try:
+        imported = import_log(dest, other, path, payloads=payload_store(dest, other), restore_groups=True)
+        assert all(imported.ids_preserved.values()) and imported.payloads == 3
+
+        live = live_timeline(redis_client, keys)
+        assert live_timeline(dest, other) == live
+        with LogReader(path) as reader:
+            assert timeline(reader.events()).to_dict() == live
+        assert verify(decode_entries(read_live(redis_client, keys))) == []
+        assert verify(decode_entries(read_live(dest, other))) == []
+        staleness = {b: v["staleness"] for b, v in live["batches"].items()}  # type: ignore[attr-defined]
+        assert staleness == expected_final()["staleness"]
+
+        # the imported references resolve, and the trainer's group resumes at its pending batch
+        resumed = Consumer(dest, other, other.batch_stream(POLICY), "trainer-p0", "t0-0",
+                           ConsumerConfig(block_ms=1, count=10))
+        got = resumed.read()
+        assert [m.id for m in got] == [m.id for m in read[1:]] + [
+            i.decode() for i, _ in redis_client.xrange(keys.batch_stream(POLICY))][2:]
+        for msg in got:
+            assert isinstance(msg.event, s.BatchReady)
+            back = TrainData.from_batch(BatchChannel(dest, other).fetch(msg.event))
+            assert torch.equal(back.tokens.values, writer.written[msg.event.batch_id].tokens.values)
+            assert BatchChannel(dest, other).readers(msg.event.payload["ref"]) == {"trainer-p0"}
+    finally:
+        dest.close()
+
+    fed = list(feed_batches(path))
+    assert [b for b, _, _ in fed] == ["batch-0", "batch-1", "batch-2"]
+    for batch_id, fields, meta in fed:
+        ready = meta.pop("batch_ready")
+        back = TrainData.from_tensors(fields, meta)
+        want = writer.written[batch_id]
+        assert torch.equal(back.tokens.values, want.tokens.values) and back.metadata == want.metadata
+        assert torch.equal(back.weight_versions_max, want.weight_versions_max)
+        assert ready["policy"] == POLICY and ready["request_id"] == batch_id.replace("batch", "req")
+    assert [b for b, _, _ in feed_batches(path)] == [b for b, _, _ in fed]  # deterministic
+
+
+def test_the_cli_exports_imports_replays_and_flags_planted_violations(
+        redis_server: RedisServer, redis_client: redis.Redis, keys: Keys, target: RedisServer,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    publish_scenario(redis_client, keys, scenario(), BatchWriter(redis_client, keys))
+    path = str(tmp_path / "cli.rblog")
+    src = ["--redis-url", redis_server.url, "--namespace", keys.namespace]
+    assert replay.main(["export", path, *src]) == 0
+    assert json.loads(capsys.readouterr().out)["payloads"] == 3
+    dst = ["--redis-url", target.url, "--namespace", "copy"]
+    assert replay.main(["import", path, *dst]) == 0
+    assert json.loads(capsys.readouterr().out)["payloads"] == 3
+
+    assert replay.main(["timeline", path, "--json"]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert replay.main(["timeline", "--live", *dst, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == from_file
+    assert replay.main(["timeline", path]) == 0
+    assert "ENGINES" in capsys.readouterr().out
+    assert replay.main(["verify", path]) == 0
+    assert "ok: no violations" in capsys.readouterr().out
+    assert replay.main(["feed", path, "--limit", "2"]) == 0
+    assert [json.loads(line)["batch_id"] for line in capsys.readouterr().out.splitlines()] == ["batch-0", "batch-1"]
+
+    writer = BatchWriter(redis_client, keys)
+    publish_scenario(redis_client, keys, [
+        ("engines", s.EngineServing(producer=CTRL, engine_id="e0", url="u", versions={POLICY: 9})),
+        (f"batches/{POLICY}", batch_ready("batch-1b", "req-1", 1, 1, 1)),
+        ("weights", s.WeightsPublished(producer=CTRL, policy=POLICY, version=1, uri="u", sha256="x"))], writer)
+    fields, meta = train_data(4, 2, 5).to_tensors()  # its event claims versions 2..2; a sample has 5
+    writer.channel.publish(POLICY, "batch-4", fields, meta, rollout_id=4, request_id="req-4",
+                           min_weight_version=2, max_weight_version=2)
+    bad = str(tmp_path / "bad.rblog")
+    assert replay.main(["export", bad, *src]) == 0
+    capsys.readouterr()
+    assert replay.main(["verify", bad, "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)
+    assert sorted(v["kind"] for v in found) == [
+        "duplicate_batch", "version_backwards", "version_not_published", "version_not_published"]
+    assert all(v["entries"] for v in found)
+    sampled = next(v for v in found if v["ids"].get("batch_id") == "batch-4")
+    assert sampled["ids"]["version"] == 5
+    assert replay.main(["verify", bad, "--json", "--no-samples"]) == 1
+    assert len(json.loads(capsys.readouterr().out)) == 3
+    assert replay.main(["verify", "--live", *src]) == 1
+    assert "duplicate_batch: request req-1 has 2 batches" in capsys.readouterr().out
