@@ -38,13 +38,15 @@ def redis_url(url: str | None = None) -> str:
 
 def connect(url: str | None = None, *, socket_timeout_s: float | None = 30.0) -> redis.Redis:
     """A client for ``url`` (or ``$REDIS_URL``); replies are bytes, never decoded."""
+    target = redis_url(url)
+    tcp: dict[str, Any] = {} if target.startswith("unix://") else {"socket_keepalive": True}
     return redis.Redis.from_url(
-        redis_url(url),
+        target,
         decode_responses=False,
         socket_connect_timeout=5.0,
         socket_timeout=socket_timeout_s,
-        socket_keepalive=True,
         health_check_interval=15,
+        **tcp,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=2),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )

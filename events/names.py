@@ -93,8 +93,9 @@ class Keys:
         return self._k("payload", ref)
 
     def payload_chunk(self, ref: str, index: int) -> str:
-        """Chunk ``index`` of the payload ``ref`` when the redis store splits it over several keys."""
-        return self._k("payload", ref, str(index))
+        """Chunk ``index`` of the payload ``ref`` as the redis store splits it: chunk 0 (with the
+        batch header) is ``payload(ref)`` itself, chunk ``i`` is ``payload(ref):i``."""
+        return self.payload(ref) if index == 0 else self._k("payload", ref, str(index))
 
     def payload_readers(self, ref: str) -> str:
         """Set of groups that still have to read the payload ``ref``."""

@@ -1,0 +1,358 @@
+"""Hand-off of one 64 MiB batch (four 16 MiB tensors) from a producer process to a consumer process.
+
+Each figure runs from the moment the producer starts publishing until the consumer has the
+batch decoded and has touched every 4 KiB page; medians over ``--reps`` after warm-up.
+
+* ``tcp floor``: the same bytes over one loopback TCP connection (length prefix, then
+  scatter-gather send; the consumer allocates and ``recv_into``s them).
+* each payload store through ``events.batches.BatchChannel``: publish (encode + checksum,
+  store put, Lua XADD) -> the consumer's XREADGROUP -> fetch (get + decode + checksum
+  verify) -> touch; the consumer then acks and releases, so pooled shm segments recycle.
+  The redis store runs over TCP and, as an extra row, over a unix socket.
+* ``ray``: ``ray.put`` of the four numpy arrays in the producer, ``ray.get`` in an actor
+  (skipped if ray cannot be imported or started).
+
+The paths run interleaved (one hand-off of each per round), so load from other processes
+on the machine hits them alike; the load average is printed with the table.
+
+Usage: python bench/bench_handoff.py [--reps 15] [--mib 64] [--only tcp,redis,shm,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PAGE = 4096
+POLICY = "bench"
+GROUP = "bench-consumer"
+
+
+def make_tensors(total_mib: int) -> dict[str, Any]:
+    import torch
+
+    n = (total_mib << 20) // 4
+    g = torch.Generator().manual_seed(0)
+    return {
+        "tokens": torch.randint(0, 150_000, (n // 4,), dtype=torch.int32, generator=g),
+        "positions": torch.randint(0, 1 << 40, (n // 8,), dtype=torch.int64, generator=g),
+        "log_probs": torch.randn(n // 4, generator=g, dtype=torch.float32),
+        "advantages": torch.randn(n // 2, generator=g).to(torch.bfloat16),
+    }
+
+
+def touch(buf: Any) -> int:
+    """Read one byte of every 4 KiB page."""
+    import numpy as np
+
+    return int(np.frombuffer(buf, dtype=np.uint8)[::PAGE].sum())
+
+
+def touch_tensors(tensors: Any) -> int:
+    total = 0
+    for t in tensors:
+        total += touch(t.reshape(-1).view(__import__("torch").uint8).numpy())
+    return total
+
+
+# --- tcp floor -----------------------------------------------------------------------------
+
+def tcp_consumer(port: int, out: Any) -> None:
+    import numpy as np
+
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out.put("ready")
+    while True:
+        head = b""
+        while len(head) < 8:
+            head += s.recv(8 - len(head))
+        n = int.from_bytes(head, "little")
+        if n == 0:
+            break
+        buf = np.empty(n, dtype=np.uint8)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            got += s.recv_into(view[got:], n - got)
+        touch(buf)
+        out.put(time.perf_counter())
+    s.close()
+
+
+class TcpPath:
+    """The floor: the tensor bytes over one loopback TCP connection, scatter-gather, into a fresh buffer."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        from events.batch import encode
+
+        self.views = [memoryview(b).cast("B") for b in encode(tensors, {}).buffers[1:] if len(b)]
+        self.nbytes = sum(v.nbytes for v in self.views)
+
+    def start(self) -> None:
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(1)
+        self.q: Any = mp.get_context("spawn").Queue()
+        self.proc = mp.get_context("spawn").Process(target=tcp_consumer, args=(self.ls.getsockname()[1], self.q))
+        self.proc.start()
+        self.conn, _ = self.ls.accept()
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.q.get(timeout=120)
+
+    def _send(self, frames: list[Any]) -> None:
+        i = 0
+        while i < len(frames):
+            sent = self.conn.sendmsg(frames[i:i + 1024])
+            while sent:
+                size = frames[i].nbytes
+                if sent >= size:
+                    sent -= size
+                    i += 1
+                else:
+                    frames[i] = frames[i][sent:]
+                    sent = 0
+
+    def once(self, i: int) -> tuple[float, float | None]:
+        t0 = time.perf_counter()
+        self._send([memoryview(self.nbytes.to_bytes(8, "little")), *self.views])
+        return self.q.get(timeout=60) - t0, None
+
+    def stop(self) -> None:
+        self._send([memoryview(bytes(8))])
+        self.proc.join(30)
+        self.conn.close()
+        self.ls.close()
+
+
+# --- payload stores ------------------------------------------------------------------------
+
+def bus_client(url: str) -> Any:
+    """``events.connection.connect``, except for unix sockets (whose redis-py connection takes no keepalive)."""
+    import redis
+
+    from events.connection import connect
+
+    return redis.Redis.from_url(url) if url.startswith("unix://") else connect(url)
+
+
+def store_consumer(url: str, namespace: str, spec: str, out: Any, stop: Any, verify: bool) -> None:
+    from events.batches import BatchChannel
+    from events.consume import Consumer, ConsumerConfig
+    from events.names import Keys
+    from events.payload import make_store
+    from events.schema import BatchReady
+
+    client = bus_client(url)
+    keys = Keys(namespace)
+    channel = BatchChannel(client, keys, make_store(spec, client, keys))
+    consumer = Consumer(client, keys, keys.batch_stream(POLICY), GROUP, "c0",
+                        ConsumerConfig(block_ms=200, claim_every_ms=10**9))
+    consumer.ensure_group()
+    out.put("ready")
+    while not stop.is_set():
+        for msg in consumer.read():
+            event = msg.event
+            assert isinstance(event, BatchReady)
+            batch = channel.fetch(event, verify=verify)
+            touch_tensors(batch.tensors.values())
+            out.put(time.perf_counter())
+            del batch
+            consumer.ack(msg.id)
+            channel.release(event, GROUP)
+    channel.close()
+    client.close()
+
+
+class StorePath:
+    """``BatchChannel.publish`` here, ``Consumer.read`` + ``BatchChannel.fetch`` + touch in another process."""
+
+    def __init__(self, url: str, spec: str, tensors: dict[str, Any], verify: bool) -> None:
+        self.url, self.spec, self.tensors, self.verify = url, spec, tensors, verify
+
+    def start(self) -> None:
+        import uuid
+
+        from events.batches import BatchChannel
+        from events.names import Keys
+        from events.payload import make_store
+        from events.publish import Publisher
+        from events.schema import Producer
+
+        self.namespace = f"bench{uuid.uuid4().hex[:6]}"
+        self.client = bus_client(self.url)
+        keys = Keys(self.namespace)
+        self.store = make_store(self.spec, self.client, keys)
+        self.channel = BatchChannel(self.client, keys, self.store, Publisher(self.client, keys, Producer("bench", "p0")))
+        ctx = mp.get_context("spawn")
+        self.q: Any = ctx.Queue()
+        self.stop_flag = ctx.Event()
+        self.proc = ctx.Process(target=store_consumer, args=(self.url, self.namespace, self.spec, self.q,
+                                                             self.stop_flag, self.verify))
+        self.proc.start()
+        self.q.get(timeout=120)
+
+    def once(self, i: int) -> tuple[float, float | None]:
+        t0 = time.perf_counter()
+        self.channel.publish(POLICY, f"b{i}", self.tensors, {"rep": i})
+        t1 = time.perf_counter()
+        return self.q.get(timeout=60) - t0, t1 - t0
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        self.proc.join(30)
+        self.channel.sweep(0)
+        clear = getattr(self.store, "clear_pool", None)
+        if clear is not None:
+            clear()
+            shutil.rmtree(self.store.root, ignore_errors=True)  # type: ignore[attr-defined]
+        self.channel.close()
+        self.client.close()
+
+
+# --- ray -----------------------------------------------------------------------------------
+
+class RayPath:
+    """``ray.put`` of the four numpy arrays here, ``ray.get`` + touch in an actor process."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        import torch
+
+        self.arrays = [t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+                       for t in tensors.values()]
+
+    def start(self) -> None:
+        import numpy as np
+        import ray
+
+        ray.init(num_cpus=2, object_store_memory=1 << 30, include_dashboard=False, log_to_driver=False,
+                 logging_level="ERROR")
+
+        @ray.remote
+        class RayConsumer:
+            def get(self, refs: list[Any]) -> float:
+                for a in ray.get(refs[0]):
+                    int(np.frombuffer(a, dtype=np.uint8)[::PAGE].sum())
+                return time.perf_counter()
+
+        self.ray = ray
+        self.actor = RayConsumer.remote()  # type: ignore[attr-defined]
+        ray.get(self.actor.get.remote([ray.put([np.zeros(8, np.uint8)])]))
+
+    def once(self, i: int) -> tuple[float, float | None]:
+        t0 = time.perf_counter()
+        ref = self.ray.put(self.arrays)
+        t1 = self.ray.get(self.actor.get.remote([ref]))
+        del ref
+        return t1 - t0, None
+
+    def stop(self) -> None:
+        self.ray.shutdown()
+
+
+# --- main ----------------------------------------------------------------------------------
+
+LABELS = {"tcp": "tcp floor (loopback)", "redis": "redis store (tcp)", "redis-unix": "redis store (unix socket)",
+          "shm": "shm store (/dev/shm)", "shm-shared": "shm store, reads=shared", "file": "file store (tmp dir)",
+          "ray": "ray object store"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--only", default=",".join(LABELS))
+    ap.add_argument("--no-verify", action="store_true", help="consumers skip the checksum check on fetch")
+    args = ap.parse_args()
+    verify = not args.no_verify
+    wanted = [name for name in LABELS if name in set(args.only.split(","))]
+
+    from events.embedded import RedisServer
+
+    tensors = make_tensors(args.mib)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"hand-off of {nbytes / 2**20:.0f} MiB in {len(tensors)} tensors, producer -> consumer process; "
+          f"paths interleaved, median (min) of {args.reps} rounds after {args.warmup} warm-up; "
+          f"checksum {'verified' if verify else 'NOT verified'} on fetch; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
+    sock_dir = tempfile.mkdtemp(prefix="bench-redis-")
+    file_root = tempfile.mkdtemp(prefix="bench-file-store-")
+    server = RedisServer(extra_args=["--unixsocket", f"{sock_dir}/redis.sock", "--unixsocketperm", "700"]).start()
+    makers: dict[str, Callable[[], Any]] = {
+        "tcp": lambda: TcpPath(tensors),
+        "redis": lambda: StorePath(server.url, "redis", tensors, verify),
+        "redis-unix": lambda: StorePath(f"unix://{sock_dir}/redis.sock?db=0", "redis", tensors, verify),
+        "shm": lambda: StorePath(server.url, "shm", tensors, verify),
+        "shm-shared": lambda: StorePath(server.url, "shm?reads=shared", tensors, verify),
+        "file": lambda: StorePath(server.url, f"file:{file_root}", tensors, verify),
+        "ray": lambda: RayPath(tensors),
+    }
+    paths: dict[str, Any] = {}
+    skipped: list[str] = []
+    totals: dict[str, list[float]] = {}
+    publishes: dict[str, list[float]] = {}
+    try:
+        for name in wanted:
+            path = makers[name]()
+            try:
+                path.start()
+            except Exception as exc:  # ray missing or unable to start: skip its row, keep the rest
+                if name != "ray":
+                    raise
+                skipped.append(f"ray: {type(exc).__name__}: {exc}")
+                continue
+            paths[name] = path
+            totals[name], publishes[name] = [], []
+        for i in range(args.warmup + args.reps):
+            for name, path in paths.items():
+                time.sleep(0.03)
+                total, publish = path.once(i)
+                if i >= args.warmup:
+                    totals[name].append(total)
+                    if publish is not None:
+                        publishes[name].append(publish)
+    finally:
+        for path in paths.values():
+            path.stop()
+        server.stop()
+        shutil.rmtree(file_root, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+    med = {name: statistics.median(v) * 1e3 for name, v in totals.items()}
+    floor, ray_ms = med.get("tcp"), med.get("ray")
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    print()
+    print(f"{'path':28} {'median ms':>10} {'min ms':>8} {'GB/s':>6} {'publish ms':>11} {'x tcp':>6} {'x ray':>6}")
+    for name in totals:
+        m = med[name]
+        pub = f"{statistics.median(publishes[name]) * 1e3:.1f}" if publishes[name] else "-"
+        xt = f"{m / floor:.2f}" if floor else "-"
+        xr = f"{m / ray_ms:.2f}" if ray_ms else "-"
+        print(f"{LABELS[name]:28} {m:10.1f} {min(totals[name]) * 1e3:8.1f} {nbytes / m / 1e6:6.2f} {pub:>11} "
+              f"{xt:>6} {xr:>6}")
+    for line in skipped:
+        print(f"skipped {line}")
+    print()
+    if floor and "redis" in med:
+        r = med["redis"] / floor
+        print(f"target: redis store within 2x of the tcp floor: {r:.2f}x -> {'met' if r <= 2 else 'MISSED'}")
+    for name in ("shm", "shm-shared"):
+        if ray_ms and name in med:
+            print(f"target: {LABELS[name]} faster than ray: {med[name]:.1f} vs {ray_ms:.1f} ms -> "
+                  f"{'met' if med[name] < ray_ms else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The payload-store interface: where the bytes of a claim-checked batch live.
+
+A store writes an ``EncodedBatch`` under a ref (``"<policy>:<batch_id>"``) and returns a
+reference, a small msgpack-able map that travels in the ``BatchReady`` event. ``get``
+returns a buffer that ``events.batch.decode`` reads without copying. References come off
+the wire: stores derive every key and path from the validated ref and their own
+configuration, never from a path or key written in the reference.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from events.batch import EncodedBatch
+from events.errors import DecodeError
+from events.names import check_name
+
+Reference = dict[str, Any]
+PayloadBuffer = bytes | bytearray | memoryview
+
+_REF_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}:[A-Za-z0-9_.\-]{1,64}$")
+
+
+def make_ref(policy: str, batch_id: str) -> str:
+    return f"{check_name('policy', policy)}:{check_name('batch_id', batch_id)}"
+
+
+def check_ref(ref: Any) -> str:
+    if not isinstance(ref, str) or not _REF_RE.match(ref):
+        raise DecodeError(f"payload ref {ref!r} is not '<policy>:<batch_id>'")
+    return ref
+
+
+class PayloadStore(ABC):
+    """One backend for payload bytes; subclasses live one per file in this package."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def put(self, ref: str, batch: EncodedBatch, ttl_s: int) -> Reference:
+        """Write the batch (replacing any payload of the same ref) and return its reference."""
+
+    @abstractmethod
+    def get(self, reference: Reference) -> PayloadBuffer:
+        """The payload's bytes; ``PayloadMissing`` when it is gone."""
+
+    @abstractmethod
+    def delete(self, reference: Reference) -> None:
+        """Remove the payload; a missing payload is not an error."""
+
+    def sweep(self, older_than_s: float) -> int:
+        """Remove leftovers of this store older than ``older_than_s`` that no index knows of
+        (half-written temp files); returns how many were removed."""
+        return 0
+
+    def locate(self, ref: str) -> Reference:
+        """A reference for ``ref`` rebuilt from the ref alone (for sweeping orphans)."""
+        return {"store": self.name, "ref": check_ref(ref)}
+
+    def redis_keys(self, reference: Reference) -> list[str]:
+        """Keys in the bus's Redis that hold this payload (deleted atomically on release); [] if none."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release connections and mappings held by this store object."""
+
+    def _ref(self, reference: Reference) -> str:
+        if not isinstance(reference, dict):
+            raise DecodeError(f"payload reference must be a map, got {type(reference).__name__}")
+        if reference.get("store") != self.name:
+            raise DecodeError(f"payload reference is for store {reference.get('store')!r}, "
+                              f"this is the {self.name!r} store")
+        return check_ref(reference.get("ref"))
