@@ -50,7 +50,8 @@ class Lifecycle:
         cfg = self.core.config
         record = EngineRecord(engine_id=engine_id, url=url, state=state,
                               backend=cfg.backend if managed else "external", managed=managed,
-                              pause_mode=cfg.pause_mode, pid=process.pid if process else None)
+                              pause_mode=cfg.pause_mode, base_policy=cfg.base_policy,
+                              pid=process.pid if process else None)
         handle = EngineHandle(record, EngineClient(url, timeout_s=cfg.request_timeout_s), process)
         self.core.engines[engine_id] = handle
         self.core.refresh_state_metrics()

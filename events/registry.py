@@ -43,6 +43,7 @@ class EngineRecord:
     versions: dict[str, int] = field(default_factory=dict)
     updating: dict[str, int] = field(default_factory=dict)
     pause_mode: str = "retract"
+    base_policy: str = "default"
     load: int = 0
     pid: int | None = None
     offloaded_tags: list[str] = field(default_factory=list)
@@ -50,6 +51,10 @@ class EngineRecord:
 
     def serves(self, policy: str) -> bool:
         return self.state == EngineState.SERVING and policy in self.versions
+
+    def lora_path(self, policy: str) -> str | None:
+        """The engine weight set that serves ``policy``: the base weights, or the set named after it."""
+        return None if policy == self.base_policy else policy
 
     def pack(self) -> bytes:
         data = dataclasses.asdict(self)

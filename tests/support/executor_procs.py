@@ -8,9 +8,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +72,7 @@ def register_engines(client: redis.Redis, keys: Keys, engines: dict[str, str], *
     registry = Registry(client, keys)
     for engine_id, url in engines.items():
         registry.put_engine(EngineRecord(engine_id=engine_id, url=url, state=EngineState.SERVING,
-                                         versions={policy: version}))
+                                         versions={policy: version}, base_policy=policy))
     registry.put_policy(PolicyRecord(policy=policy, published=version, serving=version))
 
 
@@ -99,14 +98,6 @@ def train_data(client: redis.Redis, keys: Keys, event: BatchReady) -> TrainData:
 
 def job(client: redis.Redis, job_id: str) -> Job:
     return Job.fetch(job_id, connection=client, serializer=JSONSerializer)
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 30.0, every_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(every_s)
 
 
 def jobs_done(client: redis.Redis, job_ids: Sequence[str]) -> bool:

@@ -1,0 +1,56 @@
+"""Samples to train data (miles' ``convert_samples_to_train_data``) and rollout metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from events.train_data import RAGGED_FIELDS, TrainData, group_normalise, ragged
+from executor.sample import Sample, Status
+
+
+def to_train_data(samples: Sequence[Sample], *, rollout_id: int, std_normalise: bool = False,
+                  eps: float = 1e-6, metadata: dict[str, Any] | None = None) -> TrainData:
+    """The batch of ``samples``; rewards GRPO-normalised within each ``group_index``."""
+    raw = torch.tensor([float(s.reward if s.reward is not None else 0.0) for s in samples], dtype=torch.float32)
+    groups = torch.tensor([s.group_index for s in samples], dtype=torch.int64)
+    n = len(samples)
+    masks = [[0] * s.response_length if s.remove_sample else s.loss_mask for s in samples]
+    return TrainData(
+        tokens=ragged([s.tokens for s in samples], RAGGED_FIELDS["tokens"]),
+        loss_masks=ragged(masks, RAGGED_FIELDS["loss_masks"]),
+        rollout_log_probs=ragged([s.rollout_log_probs for s in samples],
+                                           RAGGED_FIELDS["rollout_log_probs"]),
+        prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.int64),
+        response_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.int64),
+        rewards=group_normalise(raw, groups, std_normalise=std_normalise, eps=eps),
+        raw_reward=raw,
+        truncated=torch.tensor([s.status == Status.TRUNCATED for s in samples], dtype=torch.int32),
+        sample_indices=torch.tensor([s.index for s in samples], dtype=torch.int64),
+        group_indices=groups,
+        rollout_ids=torch.full((n,), rollout_id, dtype=torch.int64),
+        weight_versions=torch.tensor([s.oldest_version for s in samples], dtype=torch.int64),
+        weight_versions_max=torch.tensor([s.newest_version for s in samples], dtype=torch.int64),
+        metadata=dict(metadata or {}),
+    )
+
+
+def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Reward, length, truncation and engine figures of a set of samples."""
+    n = max(len(samples), 1)
+    rewards = [float(s.reward or 0.0) for s in samples]
+    versions = [v for s in samples for v in s.weight_versions]
+    return {
+        "samples": float(len(samples)),
+        "reward_mean": sum(rewards) / n,
+        "response_len_mean": sum(s.response_length for s in samples) / n,
+        "truncated_frac": sum(s.status == Status.TRUNCATED for s in samples) / n,
+        "aborted_frac": sum(s.status == Status.ABORTED for s in samples) / n,
+        "engine_calls": float(sum(int(s.metadata.get("engine_calls", 0)) for s in samples)),
+        "failovers": float(sum(int(s.metadata.get("failovers", 0)) for s in samples)),
+        "aborts": float(sum(int(s.metadata.get("aborts", 0)) for s in samples)),
+        "min_weight_version": float(min(versions, default=-1)),
+        "max_weight_version": float(max(versions, default=-1)),
+    }

@@ -1,0 +1,193 @@
+"""A rollout request: what a trainer asks the executors for, validated before it is queued.
+
+The request travels as the single JSON argument of an rq job (``to_json``) and is
+rebuilt strictly by the executor (``from_json``): an unknown or mistyped field is an
+``InvalidRequest`` naming the field, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from events.errors import InvalidRequest
+from events.names import check_name
+
+# rq job ids take letters, digits, '_' and '-'; 58 so that the batch id "batch-<request_id>" fits in 64
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,58}")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The subset of SGLang's sampling parameters a rollout sets."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if not _number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            out.append(f"sampling.temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            out.append(f"sampling.top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            out.append(f"sampling.top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not _int(self.max_new_tokens) or self.max_new_tokens < 1:
+            out.append(f"sampling.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not all(_int(t) and t >= 0 for t in self.stop_token_ids):
+            out.append(f"sampling.stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+        return out
+
+    def to_sglang(self) -> dict[str, Any]:
+        """``sampling_params`` of a ``/generate`` call."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_new_tokens": self.max_new_tokens, "stop_token_ids": list(self.stop_token_ids)}
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One rollout: ``n_groups`` prompts, ``n_samples_per_group`` samples each, for ``policy``."""
+
+    policy: str
+    rollout_id: int
+    n_groups: int
+    n_samples_per_group: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    deadline_ms: int | None = None
+    """Unix time in ms after which the request fails; None: only the job timeout bounds it."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Options for the data source (merged over the executor's configured ones)."""
+    eval: bool = False
+    over_sample_groups: int | None = None
+    """Groups drawn per sampling round (>= n_groups); the round stops once n_groups are kept."""
+    std_normalise: bool = False
+    """GRPO: divide each group's centred rewards by the group's std + eps."""
+
+    @classmethod
+    def create(cls, policy: str, rollout_id: int, n_groups: int, n_samples_per_group: int, *,
+               timeout_s: float | None = None, **kwargs: Any) -> RolloutRequest:
+        """A request whose deadline is ``timeout_s`` seconds from now (or ``deadline_ms`` if given)."""
+        if timeout_s is not None:
+            if "deadline_ms" in kwargs:
+                raise InvalidRequest("give either timeout_s or deadline_ms, not both")
+            kwargs["deadline_ms"] = now_ms() + int(timeout_s * 1000)
+        return cls(policy=policy, rollout_id=rollout_id, n_groups=n_groups,
+                   n_samples_per_group=n_samples_per_group, **kwargs)
+
+    # --- identity ------------------------------------------------------------------------
+    @property
+    def batch_id(self) -> str:
+        """The id of the one batch this request may produce, whatever attempt produces it."""
+        return f"batch-{self.request_id}"
+
+    @property
+    def n_samples(self) -> int:
+        return self.n_groups * self.n_samples_per_group
+
+    def remaining_s(self, at_ms: int | None = None) -> float | None:
+        if self.deadline_ms is None:
+            return None
+        return (self.deadline_ms - (at_ms if at_ms is not None else now_ms())) / 1000.0
+
+    # --- validation ----------------------------------------------------------------------
+    def validate(self, known_policies: Collection[str] | None = None, *, check_deadline: bool = True,
+                 at_ms: int | None = None) -> None:
+        """Raise ``InvalidRequest`` listing everything to fix.
+
+        ``known_policies`` None skips the policy check; ``check_deadline`` False accepts a deadline
+        that has passed (an executor fails such a request with ``DeadlineExceeded`` instead).
+        """
+        problems: list[str] = []
+        try:
+            check_name("policy", self.policy)
+        except ValueError as exc:
+            problems.append(str(exc))
+        else:
+            if known_policies is not None and self.policy not in known_policies:
+                known = ", ".join(sorted(known_policies)) or "none"
+                problems.append(f"unknown policy {self.policy!r} (known: {known})")
+        if not isinstance(self.request_id, str) or not _REQUEST_ID_RE.fullmatch(self.request_id):
+            problems.append(f"request_id {self.request_id!r} must be 1-58 letters, digits, '_' or '-' (it is the rq job id)")
+        if not _int(self.rollout_id) or self.rollout_id < 0:
+            problems.append(f"rollout_id must be a non-negative integer, got {self.rollout_id!r}")
+        for name in ("n_groups", "n_samples_per_group"):
+            value = getattr(self, name)
+            if not _int(value) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if self.over_sample_groups is not None and (
+                not _int(self.over_sample_groups) or not _int(self.n_groups)
+                or self.over_sample_groups < self.n_groups):
+            problems.append(f"over_sample_groups must be an integer >= n_groups ({self.n_groups!r}), "
+                            f"got {self.over_sample_groups!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            problems.append("sampling must be SamplingParams")
+        else:
+            problems += self.sampling.problems()
+        if self.deadline_ms is not None:
+            if not _int(self.deadline_ms):
+                problems.append(f"deadline_ms must be an integer (unix ms), got {self.deadline_ms!r}")
+            elif check_deadline and self.deadline_ms <= (at_ms if at_ms is not None else now_ms()):
+                ago = ((at_ms if at_ms is not None else now_ms()) - self.deadline_ms) / 1000.0
+                problems.append(f"deadline_ms is {ago:.3f}s in the past: give a later deadline or a timeout")
+        if not isinstance(self.data, dict) or not all(isinstance(k, str) for k in self.data):
+            problems.append("data must be a map with string keys")
+        for name in ("eval", "std_normalise"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false")
+        if problems:
+            raise InvalidRequest("invalid rollout request: " + "; ".join(problems))
+
+    # --- wire ----------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["sampling"]["stop_token_ids"] = list(self.sampling.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> RolloutRequest:
+        """Strictly rebuild a request; ``InvalidRequest`` for unknown, missing or mistyped fields."""
+        if not isinstance(data, dict):
+            raise InvalidRequest(f"a rollout request must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidRequest(f"unknown rollout request field(s) {unknown}; known: {sorted(known)}")
+        kwargs = dict(data)
+        sampling = kwargs.get("sampling", {})
+        if not isinstance(sampling, dict):
+            raise InvalidRequest("sampling must be a JSON object")
+        s_known = {f.name for f in fields(SamplingParams)}
+        s_unknown = sorted(set(sampling) - s_known)
+        if s_unknown:
+            raise InvalidRequest(f"unknown sampling field(s) {s_unknown}; known: {sorted(s_known)}")
+        stop = sampling.get("stop_token_ids", ())
+        if not isinstance(stop, list | tuple):
+            raise InvalidRequest("sampling.stop_token_ids must be a list of token ids")
+        kwargs["sampling"] = SamplingParams(**{**sampling, "stop_token_ids": tuple(stop)})
+        try:
+            request = cls(**kwargs)
+        except TypeError as exc:
+            raise InvalidRequest(f"invalid rollout request: {exc}") from None
+        return request
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(float(value)))

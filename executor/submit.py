@@ -1,0 +1,109 @@
+"""Queueing rollout requests: validation, the rq job (JSON only) and the RolloutRequested event.
+
+The job id is the request id and the job is enqueued with ``unique=True``, so a second
+submit of the same request is a no-op that returns the existing job. Train requests go
+to ``keys.rollout_queue``, eval requests to ``keys.eval_queue``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass
+
+from rq import Queue, Retry
+from rq.exceptions import DuplicateJobError
+from rq.job import Callback, Job
+from rq.serializers import JSONSerializer
+
+from events.connection import Redis
+from events.names import Keys
+from events.publish import Publisher
+from events.registry import Registry
+from events.schema import Producer, RolloutRequested
+from executor.request import RolloutRequest
+
+log = logging.getLogger(__name__)
+
+JOB_FUNC = "executor.jobs.run_rollout"
+FAILURE_CALLBACK = "executor.jobs.on_job_failure"
+
+
+@dataclass
+class SubmitConfig:
+    max_retries: int = 3
+    """rq retries after the first attempt (a dead executor's job counts one)."""
+    job_timeout_s: int = 900
+    """Job timeout when the request has no deadline."""
+    deadline_grace_s: int = 30
+    """With a deadline, the rq timeout is the time left plus this (the executor enforces the deadline)."""
+    failure_ttl_s: int = 7 * 86400
+    result_ttl_s: int = 86400
+    known_policies: tuple[str, ...] | None = None
+    """Policies a request may name; None: those in the registry (policy records and engine versions)."""
+
+
+def queue_name(keys: Keys, eval_request: bool) -> str:
+    return keys.eval_queue if eval_request else keys.rollout_queue
+
+
+def rq_queue(client: Redis, name: str) -> Queue:
+    return Queue(name, connection=client, serializer=JSONSerializer)
+
+
+class RolloutSubmitter:
+    """Validates and queues rollout requests for one namespace."""
+
+    def __init__(self, client: Redis, keys: Keys, config: SubmitConfig | None = None, *,
+                 producer: Producer | None = None) -> None:
+        self.client = client
+        self.keys = keys
+        self.config = config or SubmitConfig()
+        self.producer = producer or Producer("client", f"{socket.gethostname()}-{os.getpid()}")
+        self.registry = Registry(client, keys)
+        self.publisher = Publisher(client, keys, self.producer)
+        self._queues = {name: rq_queue(client, name) for name in (keys.rollout_queue, keys.eval_queue)}
+
+    def known_policies(self) -> set[str]:
+        if self.config.known_policies is not None:
+            return set(self.config.known_policies)
+        return registry_policies(self.registry)
+
+    def submit(self, request: RolloutRequest) -> Job:
+        """Queue ``request`` (``InvalidRequest`` if it is not valid); a repeat returns the existing job."""
+        request.validate(self.known_policies())
+        queue = self._queues[queue_name(self.keys, request.eval)]
+        try:
+            job = queue.enqueue_call(
+                JOB_FUNC, kwargs={"request": request.to_json()}, job_id=request.request_id, unique=True,
+                timeout=self._timeout_s(request), retry=Retry(max=self.config.max_retries),
+                failure_ttl=self.config.failure_ttl_s, result_ttl=self.config.result_ttl_s,
+                on_failure=Callback(FAILURE_CALLBACK),
+                meta={"namespace": self.keys.namespace, "max_retries": self.config.max_retries},
+                description=f"rollout {request.policy}/{request.rollout_id} ({request.request_id})")
+        except DuplicateJobError:
+            log.info("request %s is already queued: not enqueued again", request.request_id)
+            job = Job.fetch(request.request_id, connection=self.client, serializer=JSONSerializer)
+        self.publisher.publish(self.keys.rollout_stream, RolloutRequested(
+            producer=self.producer, policy=request.policy, rollout_id=request.rollout_id,
+            request_id=request.request_id, n_groups=request.n_groups,
+            n_samples_per_group=request.n_samples_per_group, eval=request.eval),
+            idempotency_key=request.request_id)
+        return job
+
+    def _timeout_s(self, request: RolloutRequest) -> int:
+        remaining = request.remaining_s()
+        if remaining is None:
+            return self.config.job_timeout_s
+        return max(1, math.ceil(remaining)) + self.config.deadline_grace_s
+
+
+def registry_policies(registry: Registry) -> set[str]:
+    """Policies the registry knows: those with a policy record and those any engine has weights for."""
+    known = set(registry.policies())
+    for record in registry.engines().values():
+        known.update(record.versions)
+    return known
+

@@ -1,0 +1,105 @@
+"""Run one rollout executor: ``python scripts/executor.py --index 0 [--redis-url URL] ...``.
+
+Arguments are parsed before anything heavy is imported, so ``--help`` is instant.
+SIGTERM or SIGINT: finish the current job, then stop (a second one stops at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scripts/executor.py", description="Rollout executor (an rq worker).")
+    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
+    p.add_argument("--namespace", default=None, help="default: $ROLLOUT_BUS_NAMESPACE or 'default'")
+    p.add_argument("--index", type=int, default=0, help="stable per host: the worker is <host>-<namespace>-executor-<index>")
+    p.add_argument("--queues", default="rollout,eval", help="comma-separated, in priority order: rollout, eval")
+    p.add_argument("--payload-store", default="redis", help="redis, shm, shm:/dir or file:/shared/dir")
+    g = p.add_argument_group("plug-ins (dotted paths)")
+    g.add_argument("--data-source", default="tasks.arithmetic.ArithmeticSource")
+    g.add_argument("--data-source-args", default="{}", help="JSON object of keyword arguments")
+    g.add_argument("--generate", default="executor.generate.single_turn")
+    g.add_argument("--reward", default="tasks.arithmetic.exact_match")
+    g.add_argument("--group-reward", action="store_true", help="the reward takes a group, returns a list")
+    g.add_argument("--filter", default=None, help="dynamic sampling filter, e.g. executor.filters.nonzero_reward_std")
+    g.add_argument("--tokenizer", default="lm.tokenizer")
+    r = p.add_argument_group("engines")
+    r.add_argument("--registry-refresh-s", type=float, default=0.5)
+    r.add_argument("--engine-cooldown-s", type=float, default=2.0)
+    r.add_argument("--call-timeout-s", type=float, default=120.0)
+    r.add_argument("--max-failovers", type=int, default=8)
+    r.add_argument("--no-partial-rollout", action="store_true",
+                   help="after an abort, start the response again instead of continuing it")
+    r.add_argument("--max-sampling-rounds", type=int, default=4)
+    f = p.add_argument_group("fault tolerance")
+    f.add_argument("--heartbeat-ttl-s", type=int, default=10)
+    f.add_argument("--heartbeat-interval-s", type=float, default=2.0)
+    f.add_argument("--reap-interval-s", type=float, default=2.0)
+    f.add_argument("--worker-ttl-s", type=int, default=30)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--burst", action="store_true", help="drain the queues, then exit")
+    p.add_argument("--max-jobs", type=int, default=None)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> Any:
+    from events.names import Keys
+    from executor.config import ExecutorConfig
+    from executor.engines import RouterConfig
+    from executor.plugins import PluginConfig
+    from executor.rollout import RolloutConfig
+
+    args = json.loads(ns.data_source_args)
+    if not isinstance(args, dict):
+        raise SystemExit("--data-source-args must be a JSON object")
+    return ExecutorConfig(
+        redis_url=ns.redis_url, namespace=ns.namespace or Keys.from_env().namespace, index=ns.index,
+        payload_store=ns.payload_store,
+        queues=tuple(q.strip() for q in ns.queues.split(",") if q.strip()),
+        plugins=PluginConfig(data_source_path=ns.data_source, data_source_args=args, generate_path=ns.generate,
+                             reward_path=ns.reward, group_reward=ns.group_reward, filter_path=ns.filter,
+                             tokenizer_path=ns.tokenizer),
+        router=RouterConfig(refresh_s=ns.registry_refresh_s, cooldown_s=ns.engine_cooldown_s,
+                            call_timeout_s=ns.call_timeout_s, max_failovers=ns.max_failovers,
+                            partial_rollout=not ns.no_partial_rollout),
+        rollout=RolloutConfig(max_sampling_rounds=ns.max_sampling_rounds),
+        heartbeat_ttl_s=ns.heartbeat_ttl_s, heartbeat_interval_s=ns.heartbeat_interval_s,
+        reap_interval_s=ns.reap_interval_s, worker_ttl_s=ns.worker_ttl_s, metrics_port=ns.metrics_port,
+        log_level=ns.log_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(ns)
+
+    from executor.errors import PluginError
+    from executor.service import ExecutorService
+
+    service = ExecutorService(config)
+    try:
+        service.start()
+    except PluginError as exc:
+        logging.getLogger("executor").error("cannot start: %s", exc)
+        service.stop()
+        return 2
+    try:
+        service.work(burst=ns.burst, max_jobs=ns.max_jobs)
+    finally:
+        service.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""A toy verifiable task: sums of random numbers ("12+34=" -> "46"), scored by exact match.
+
+Problem ``i`` of a seed is a pure function of ``(seed, digits, i)``, so any process can
+rebuild any prompt from its index. The data source hands out prompts in index order and
+keeps its position (and prompts given back with ``add_samples``) in a small state dict
+that the executor saves in Redis.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from lm import tokenizer
+
+
+class _Scored(Protocol):
+    response_ids: list[int]
+    label: Any
+
+
+def problem(index: int, *, digits: int = 2, seed: int = 0, operator: str = "+") -> tuple[str, str]:
+    """The prompt and the answer of problem ``index``."""
+    rng = random.Random(f"arith:{seed}:{digits}:{operator}:{index}")
+    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    if operator == "+":
+        answer = a + b
+    elif operator == "-":
+        a, b = max(a, b), min(a, b)
+        answer = a - b
+    elif operator == "*":
+        answer = a * b
+    else:
+        raise ValueError(f"operator must be '+', '-' or '*', got {operator!r}")
+    return f"{a}{operator}{b}=", str(answer)
+
+
+class ArithmeticSource:
+    """Data source of arithmetic prompts; ``size`` makes it a finite set visited in epochs."""
+
+    def __init__(self, digits: int = 2, seed: int = 0, operator: str = "+", size: int | None = None,
+                 bos: bool = True) -> None:
+        if not isinstance(digits, int) or not 1 <= digits <= 9:
+            raise ValueError(f"digits must be an integer in [1, 9], got {digits!r}")
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"size must be a positive integer or None, got {size!r}")
+        problem(0, digits=digits, seed=seed, operator=operator)  # validates the operator
+        self.digits = digits
+        self.seed = seed
+        self.operator = operator
+        self.size = size
+        self.bos = bos
+        self.name = f"arith-{operator.replace('*', 'x')}-d{digits}-s{seed}" + (f"-n{size}" if size else "")
+        self._next = 0
+        self._requeued: list[dict[str, Any]] = []
+
+    def item(self, index: int) -> dict[str, Any]:
+        """Prompt number ``index`` (a sequence number; with ``size`` it wraps into epochs)."""
+        prompt, label = problem(index % self.size if self.size else index, digits=self.digits, seed=self.seed,
+                                operator=self.operator)
+        return {"index": index, "prompt": prompt, "label": label,
+                "prompt_ids": tokenizer.encode(prompt, add_bos=self.bos)}
+
+    def get_samples(self, n: int) -> list[dict[str, Any]]:
+        out = self._requeued[:n]
+        self._requeued = self._requeued[n:]
+        while len(out) < n:
+            out.append(self.item(self._next))
+            self._next += 1
+        return out
+
+    def add_samples(self, items: list[dict[str, Any]]) -> None:
+        self._requeued.extend(items)
+        self._requeued.sort(key=lambda it: it["index"])
+
+    def save(self) -> dict[str, Any]:
+        return {"next": self._next, "requeued": list(self._requeued)}
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        self._next = int(state.get("next", 0))
+        self._requeued = list(state.get("requeued", []))
+
+
+def answer_of(response_ids: Sequence[int]) -> str:
+    """The decoded response up to the first EOS."""
+    ids = list(response_ids)
+    if tokenizer.EOS_ID in ids:
+        ids = ids[:ids.index(tokenizer.EOS_ID)]
+    return tokenizer.decode(ids).strip()
+
+
+def exact_match(sample: _Scored) -> float:
+    """1.0 when the response up to EOS is exactly the label, else 0.0."""
+    return 1.0 if answer_of(sample.response_ids) == str(sample.label) else 0.0

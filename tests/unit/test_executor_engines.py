@@ -1,0 +1,73 @@
+"""Routing by load, updating engines, cool-down after failures; reading /generate replies."""
+
+from __future__ import annotations
+
+import time
+
+import fakeredis
+import pytest
+
+from events.names import Keys
+from events.registry import EngineRecord, EngineState, Registry
+from executor.engines import EngineRouter, EngineTime, parse_reply
+
+
+def record(engine_id: str, load: int = 0, updating: dict[str, int] | None = None,
+           state: EngineState = EngineState.SERVING, versions: dict[str, int] | None = None) -> EngineRecord:
+    return EngineRecord(engine_id=engine_id, url=f"http://{engine_id}", state=state, load=load,
+                        updating=updating or {}, versions={"p": 0} if versions is None else versions)
+
+
+@pytest.fixture()
+def router(fake_client: fakeredis.FakeRedis, keys: Keys) -> EngineRouter:
+    return EngineRouter(Registry(fake_client, keys))
+
+
+def test_the_least_loaded_serving_engine_wins(router: EngineRouter) -> None:
+    records = [record("a", load=5), record("b", load=1), record("c", state=EngineState.UNHEALTHY),
+               record("d", versions={"q": 0})]
+    assert router.choose(records, "p", set()).engine_id == "b"  # type: ignore[union-attr]
+    router.in_flight["b"] = 10
+    assert router.choose(records, "p", set()).engine_id == "a"  # type: ignore[union-attr]
+    assert router.choose(records, "zzz", set()) is None
+
+
+def test_updating_and_failed_engines_are_used_only_as_a_last_resort(router: EngineRouter) -> None:
+    records = [record("a", updating={"p": 1}), record("b", load=50)]
+    assert router.choose(records, "p", set()).engine_id == "b"  # type: ignore[union-attr]
+    assert router.choose(records, "p", {"b"}).engine_id == "a"  # type: ignore[union-attr]
+    assert router.choose([record("a", updating={"p": 1})], "p", set()).engine_id == "a"  # type: ignore[union-attr]
+    router.failed("b")
+    assert router.choose(records, "p", set()).engine_id == "a"  # type: ignore[union-attr]
+    router._cooling["b"] = time.monotonic() - 1
+    assert router.choose(records, "p", set()).engine_id == "b"  # type: ignore[union-attr]
+
+
+def test_parse_reply_reads_tokens_logprobs_finish_and_versions() -> None:
+    reply = {"output_ids": [5, 6], "meta_info": {
+        "finish_reason": {"type": "length", "length": 2}, "weight_version": "7",
+        "output_token_logprobs": [[-0.1, 5, None], [-1.5, 6, None]],
+        "weight_versions": [{"version": "6", "start": 0, "end": 1}, {"version": "7", "start": 1, "end": 2}]}}
+    assert parse_reply(reply) == ([5, 6], [-0.1, -1.5], "length", {6, 7})
+    reply["meta_info"]["weight_version"] = "default"  # type: ignore[index]
+    reply["meta_info"].pop("weight_versions")  # type: ignore[union-attr]
+    assert parse_reply(reply)[3] == set()
+
+
+@pytest.mark.parametrize("reply", [
+    None, {"output_ids": [1]}, {"output_ids": [1], "meta_info": {"output_token_logprobs": [],
+                                                                  "finish_reason": {"type": "stop"}}},
+    {"output_ids": [], "meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "exploded"}}},
+])
+def test_unreadable_replies_are_value_errors(reply: object) -> None:
+    with pytest.raises(ValueError):
+        parse_reply(reply)
+
+
+def test_engine_time_counts_overlapping_calls_once() -> None:
+    timer = EngineTime()
+    with timer.call():
+        with timer.call():
+            time.sleep(0.02)
+        time.sleep(0.02)
+    assert 0.035 < timer.busy_s < 0.2 and timer.calls == 2
