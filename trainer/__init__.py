@@ -1,0 +1,19 @@
+"""The trainer side of rollout-bus: an SDK for trainers on the bus, and the reference GRPO trainer.
+
+Nothing is imported here, so that light modules (``trainer.config``) stay light; import from
+the modules:
+
+- ``trainer.client.RolloutClient``: request rollouts, ``get(rollout_id)`` / ``next()`` their
+  batches (consumer group per trainer, stable consumer name), ``ack`` after the step;
+- ``trainer.weights.WeightPublisher``: versioned safetensors, sha256, ``WeightsPublished``,
+  ``wait_serving``;
+- ``trainer.checkpoint.CheckpointStore`` / ``TrainerState``: atomic checkpoints with the
+  trained batch ids;
+- ``trainer.staleness.split_stale``, ``trainer.requeue.Requeuer``, ``trainer.shards.shard``;
+- ``trainer.service.Trainer`` (config ``trainer.config.TrainerConfig``): the reference trainer,
+  modes ``sync``, ``one-step`` and ``async``; ``trainer.learner`` / ``trainer.grpo``: its GRPO
+  step with truncated importance sampling;
+- ``trainer.recorder.Recorder`` / ``read_recording``: a passive subscriber;
+- ``trainer.warmstart``, ``trainer.report``, ``trainer.procs``: what the main job
+  (``scripts/run.py``) is made of; ``trainer.testing``: a fake rollout service for tests.
+"""

@@ -1,0 +1,169 @@
+"""The trainer's configuration: validated dataclasses, no heavy imports.
+
+``scripts/trainer.py`` builds a ``TrainerConfig`` from its flags before it imports torch
+or anything that talks to Redis, so ``--help`` and config errors are instant. ``validate``
+reports every problem at once.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from events.errors import InvalidRequest
+from events.names import DEFAULT_NAMESPACE, check_name
+
+Mode = Literal["sync", "one-step", "async"]
+StalePolicy = Literal["drop", "requeue"]
+DataParallel = Literal["shared-group", "shards"]
+MODES: tuple[str, ...] = get_args(Mode)
+STALE_POLICIES: tuple[str, ...] = get_args(StalePolicy)
+DP_STRATEGIES: tuple[str, ...] = get_args(DataParallel)
+
+
+class ConfigError(InvalidRequest):
+    """The trainer configuration is invalid; the message lists every problem."""
+
+
+@dataclass
+class RolloutConfig:
+    """What each rollout request asks the executors for."""
+
+    n_groups: int = 16
+    n_samples_per_group: int = 8
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    std_normalise: bool = True
+    timeout_s: float = 120.0
+    """A request without a batch after this long is asked again under a new request id."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Options for the executors' data source."""
+
+
+@dataclass
+class ScheduleConfig:
+    """How requests and training steps interleave (see DESIGN.md section 2)."""
+
+    mode: str = "async"
+    in_flight: int = 2
+    """Fully async: requests kept in flight."""
+    max_staleness: int = 1
+    """Fully async: samples whose oldest weight version is more than this behind the trainer are not trained."""
+    stale_policy: str = "drop"
+    """``drop`` stale groups, or ``requeue`` their prompts (they come back in a later rollout)."""
+
+
+@dataclass
+class PublishConfig:
+    """Where new weights go and whether a step waits until the engines serve them."""
+
+    weights_root: str = ""
+    wait_serving: bool | None = None
+    """None: wait in sync and one-step mode, go on in async mode."""
+    serving_timeout_s: float = 60.0
+    keep_versions: int = 4
+    """Published weight directories kept on disk (older ones are deleted); 0 keeps all."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-4
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    epochs: int = 1
+    """Passes over each batch."""
+    minibatches: int = 1
+    """Optimiser steps per pass (the PPO clip matters once there is more than one step per batch)."""
+
+
+@dataclass
+class LossSettings:
+    tis_cap: float = 2.0
+    ppo_clip: float | None = 0.2
+
+
+@dataclass
+class TrainerConfig:
+    """Everything one trainer (one policy, one consumer group) needs."""
+
+    policy: str = "default"
+    trainer_id: str = "trainer-0"
+    namespace: str = DEFAULT_NAMESPACE
+    redis_url: str | None = None
+    instance: str = field(default_factory=socket.gethostname)
+    steps: int = 40
+    seed: int = 0
+    model_path: str = ""
+    """Initial weights (a directory with config.json + model.safetensors); ignored when resuming."""
+    initial_version: int = 0
+    checkpoint_dir: str = ""
+    """Where the trainer checkpoints after every step; empty: no checkpoints (no resume)."""
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_strategy: str = "shared-group"
+    get_timeout_s: float = 600.0
+    """A step that gets no batch for this long fails the run."""
+    torch_threads: int = 1
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossSettings = field(default_factory=LossSettings)
+
+    @property
+    def group(self) -> str:
+        """The consumer group: one per trainer, or one per rank when ranks take shards."""
+        if self.dp_strategy == "shards" and self.dp_size > 1:
+            return f"{self.trainer_id}-rank{self.dp_rank}"
+        return self.trainer_id
+
+    @property
+    def wait_serving(self) -> bool:
+        if self.publish.wait_serving is not None:
+            return self.publish.wait_serving
+        return self.schedule.mode != "async"
+
+    def validate(self) -> TrainerConfig:
+        """Return ``self`` or raise ``ConfigError`` naming every invalid setting."""
+        problems: list[str] = []
+        for kind, value in (("policy", self.policy), ("trainer_id", self.trainer_id),
+                            ("namespace", self.namespace)):
+            try:
+                check_name(kind, value)
+            except ValueError as exc:
+                problems.append(str(exc))
+        s = self.schedule
+        if s.mode not in MODES:
+            problems.append(f"mode {s.mode!r} is not one of {list(MODES)}")
+        if s.stale_policy not in STALE_POLICIES:
+            problems.append(f"stale_policy {s.stale_policy!r} is not one of {list(STALE_POLICIES)}")
+        if s.in_flight < 1:
+            problems.append(f"in_flight must be >= 1, got {s.in_flight}")
+        if s.max_staleness < 0:
+            problems.append(f"max_staleness must be >= 0, got {s.max_staleness}")
+        if self.dp_strategy not in DP_STRATEGIES:
+            problems.append(f"dp_strategy {self.dp_strategy!r} is not one of {list(DP_STRATEGIES)}")
+        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
+            problems.append(f"dp_rank must be in [0, dp_size), got rank {self.dp_rank} of {self.dp_size}")
+        r = self.rollout
+        for name in ("n_groups", "n_samples_per_group", "max_new_tokens"):
+            if getattr(r, name) < 1:
+                problems.append(f"rollout.{name} must be >= 1, got {getattr(r, name)}")
+        if self.steps < 0:
+            problems.append(f"steps must be >= 0, got {self.steps}")
+        if not self.publish.weights_root:
+            problems.append("publish.weights_root is required (the controller refuses weights outside its root)")
+        if self.optim.lr <= 0 or self.optim.epochs < 1 or self.optim.minibatches < 1:
+            problems.append("optim: lr must be > 0, epochs and minibatches >= 1")
+        if self.loss.tis_cap < 0:
+            problems.append(f"loss.tis_cap must be >= 0 (0 disables it), got {self.loss.tis_cap}")
+        if self.initial_version < 0:
+            problems.append(f"initial_version must be >= 0, got {self.initial_version}")
+        if self.get_timeout_s <= 0 or r.timeout_s <= 0 or self.publish.serving_timeout_s <= 0:
+            problems.append("timeouts must be > 0")
+        if problems:
+            raise ConfigError("invalid trainer config:\n  - " + "\n  - ".join(problems))
+        return self

@@ -1,0 +1,65 @@
+"""The GRPO loss with off-policy correction from the rollout log-probs.
+
+Per response token: ``w = min(exp(old_logp - rollout_logp), C)`` (truncated importance
+sampling: the behaviour policy is whatever engine version produced the token, the
+trainer's policy at the start of the step is ``old_logp``), times the policy-gradient
+surrogate ``r * A`` with ``r = exp(logp - old_logp)``, optionally PPO-clipped. With one
+optimiser step per batch ``r`` is 1 with gradient ``grad logp``; with several
+mini-batches or epochs the PPO clip bounds how far the policy moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossConfig:
+    tis_cap: float = 2.0
+    """C: the cap of the truncated importance weight (0 disables the correction)."""
+    ppo_clip: float | None = 0.2
+    """epsilon of the PPO clip; None for the plain surrogate."""
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+              advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> LossOutput:
+    """Token-mean GRPO loss over the masked response tokens.
+
+    ``logp``, ``old_logp``, ``rollout_logp`` and ``mask`` are ``(B, T)``; ``advantages`` is
+    ``(B,)`` (one per sample, broadcast over its tokens).
+    """
+    mask = mask.to(logp.dtype)
+    n_tokens = mask.sum().clamp(min=1.0)
+    adv = advantages.to(logp.dtype).unsqueeze(1)
+    log_is = (old_logp - rollout_logp).detach()
+    is_weight = torch.exp(log_is).clamp(max=config.tis_cap) if config.tis_cap > 0 else torch.ones_like(log_is)
+    ratio = torch.exp(logp - old_logp.detach())
+    surr = ratio * adv
+    clipped_frac = torch.zeros((), dtype=logp.dtype)
+    if config.ppo_clip is not None:
+        eps = config.ppo_clip
+        surr_clipped = torch.clamp(ratio, 1.0 - eps, 1.0 + eps) * adv
+        clipped_frac = ((surr_clipped < surr).to(logp.dtype) * mask).sum() / n_tokens
+        surr = torch.minimum(surr, surr_clipped)
+    per_token = -(is_weight * surr)
+    loss = (per_token * mask).sum() / n_tokens
+    with torch.no_grad():
+        raw_is = torch.exp(log_is)
+        metrics = {
+            "loss": float(loss.detach()),
+            "is_weight_mean": float((raw_is * mask).sum() / n_tokens),
+            "is_truncated_frac": float(((raw_is > config.tis_cap).to(logp.dtype) * mask).sum() / n_tokens)
+            if config.tis_cap > 0 else 0.0,
+            "ppo_clipped_frac": float(clipped_frac),
+            "rollout_kl": float(((rollout_logp - old_logp).detach() * mask).sum() / n_tokens),
+        }
+    return LossOutput(loss, metrics)

@@ -1,0 +1,105 @@
+"""The reference learner: GRPO with truncated importance sampling on ``lm.TinyLM``.
+
+``to_padded`` turns a ``TrainData`` batch (ragged, wire layout) into right-padded
+``(B, T)`` tensors aligned with ``lm.model.token_logprobs``: column ``t`` holds the
+log-prob of token ``t + 1``, so response token ``j`` of a sample with a prompt of
+``p`` tokens sits in column ``p + j - 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from events.train_data import TrainData
+from lm.model import TinyLM, token_logprobs
+from lm.tokenizer import PAD_ID
+from trainer.config import LossSettings, OptimConfig
+from trainer.grpo import LossConfig, grpo_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Padded:
+    input_ids: Tensor  # (B, T) long
+    attention_mask: Tensor  # (B, T) long
+    loss_mask: Tensor  # (B, T - 1) float: 1 on trained response tokens
+    rollout_logp: Tensor  # (B, T - 1) float
+    advantages: Tensor  # (B,)
+
+
+def to_padded(data: TrainData) -> Padded:
+    n = len(data)
+    lengths = data.tokens.lengths
+    width = int(lengths.max()) if n else 1
+    ids = torch.full((n, width), PAD_ID, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, max(width - 1, 1)), dtype=torch.float32)
+    rollout_logp = torch.zeros((n, max(width - 1, 1)), dtype=torch.float32)
+    tok_off = data.tokens.offsets.tolist()
+    resp_off = data.loss_masks.offsets.tolist()
+    prompt_lengths = data.prompt_lengths.tolist()
+    for i in range(n):
+        length = tok_off[i + 1] - tok_off[i]
+        ids[i, :length] = data.tokens.values[tok_off[i]:tok_off[i + 1]]
+        attn[i, :length] = 1
+        r0, r1 = resp_off[i], resp_off[i + 1]
+        if r1 > r0:
+            start = prompt_lengths[i] - 1
+            loss_mask[i, start:start + r1 - r0] = data.loss_masks.values[r0:r1]
+            rollout_logp[i, start:start + r1 - r0] = data.rollout_log_probs.values[r0:r1]
+    return Padded(ids, attn, loss_mask, rollout_logp, data.rewards.to(torch.float32))
+
+
+class Learner:
+    """A model, its optimiser and the GRPO step."""
+
+    def __init__(self, model: TinyLM, optim: OptimConfig, loss: LossSettings) -> None:
+        self.model = model
+        self.optim_config = optim
+        self.loss_config = LossConfig(tis_cap=loss.tis_cap, ppo_clip=loss.ppo_clip)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                                           weight_decay=optim.weight_decay)
+
+    def train_step(self, data: TrainData) -> dict[str, float]:
+        """One GRPO update on ``data`` (``epochs`` x ``minibatches`` optimiser steps)."""
+        started = time.perf_counter()
+        self.model.train()
+        batch = to_padded(data)
+        n = batch.input_ids.shape[0]
+        single = self.optim_config.epochs == 1 and self.optim_config.minibatches == 1
+        old_logp: Tensor | None = None
+        if not single:
+            with torch.no_grad():
+                old_logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+        sums: dict[str, float] = {}
+        updates = 0
+        grad_norm = 0.0
+        for _ in range(self.optim_config.epochs):
+            order = torch.randperm(n) if self.optim_config.minibatches > 1 else torch.arange(n)
+            size = math.ceil(n / self.optim_config.minibatches)
+            for start in range(0, n, size):
+                idx = order[start:start + size]
+                logp = token_logprobs(self.model, batch.input_ids[idx], batch.attention_mask[idx])
+                old = logp.detach() if old_logp is None else old_logp[idx]
+                out = grpo_loss(logp, old, batch.rollout_logp[idx], batch.advantages[idx],
+                                batch.loss_mask[idx], self.loss_config)
+                self.optimizer.zero_grad(set_to_none=True)
+                out.loss.backward()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                 self.optim_config.grad_clip))
+                self.optimizer.step()
+                updates += 1
+                for k, v in out.metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        metrics = {k: v / max(updates, 1) for k, v in sums.items()}
+        metrics.update(grad_norm=grad_norm, optimizer_steps=float(updates),
+                       response_tokens=float(batch.loss_mask.sum()),
+                       train_ms=(time.perf_counter() - started) * 1000)
+        return metrics

@@ -1,0 +1,40 @@
+"""Reading a batch's claim-checked payload as ``TrainData`` (zero-copy torch tensors).
+
+A thin layer over ``events.batches.BatchChannel``: ``fetch`` decodes the payload the
+``BatchReady`` points to (tensors share the fetched buffer), ``release`` tells the
+channel this consumer group is done with it, and the last group to release deletes it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from events.batches import BatchChannel
+from events.connection import Redis
+from events.names import Keys
+from events.schema import BatchReady
+from events.train_data import TrainData
+
+
+class PayloadReader(Protocol):
+    def fetch(self, event: BatchReady) -> TrainData: ...
+
+    def release(self, event: BatchReady, group: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ChannelReader:
+    """``PayloadReader`` over a ``BatchChannel``."""
+
+    def __init__(self, client: Redis, keys: Keys, channel: BatchChannel | None = None) -> None:
+        self.channel = channel or BatchChannel(client, keys)
+
+    def fetch(self, event: BatchReady) -> TrainData:
+        return TrainData.from_batch(self.channel.fetch(event))
+
+    def release(self, event: BatchReady, group: str) -> None:
+        self.channel.release(event, group)
+
+    def close(self) -> None:
+        self.channel.close()

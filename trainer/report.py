@@ -1,0 +1,173 @@
+"""What a run did, read back from the trainer stream: rewards, speed, staleness; and the reward plot.
+
+Everything here folds ``TrainStepDone`` and ``BatchConsumed`` events, so a summary can
+be rebuilt from a replayed or exported event log as well as followed live.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from events.connection import Guard, Redis
+from events.names import Keys
+from events.schema import BatchConsumed, Event, TrainStepDone, decode
+
+log = logging.getLogger(__name__)
+
+STALENESS_PREFIX = "staleness_n"
+
+
+@dataclass
+class PolicySummary:
+    policy: str
+    steps: int = 0
+    rewards: list[float] = field(default_factory=list)
+    step_ts_ms: list[int] = field(default_factory=list)
+    samples: list[float] = field(default_factory=list)
+    staleness_hist: dict[int, int] = field(default_factory=dict)
+    batches_trained: int = 0
+    batches_unused: int = 0
+    stale_groups: float = 0.0
+    batch_ids: list[str] = field(default_factory=list)
+
+    def reward_before(self, k: int = 2) -> float:
+        """Mean reward of the first ``k`` steps (the first batch comes from the initial weights)."""
+        return statistics.fmean(self.rewards[:k]) if self.rewards else float("nan")
+
+    def reward_after(self, k: int = 5) -> float:
+        """Mean reward of the last ``k`` steps."""
+        return statistics.fmean(self.rewards[-k:]) if self.rewards else float("nan")
+
+    def steady_seconds(self) -> float:
+        return (self.step_ts_ms[-1] - self.step_ts_ms[0]) / 1000 if len(self.step_ts_ms) > 1 else float("nan")
+
+    def steps_per_s(self) -> float:
+        secs = self.steady_seconds()
+        return (len(self.step_ts_ms) - 1) / secs if secs and secs == secs and secs > 0 else float("nan")
+
+    def samples_per_s(self) -> float:
+        secs = self.steady_seconds()
+        return sum(self.samples[1:]) / secs if secs and secs == secs and secs > 0 else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "steps": self.steps, "reward_before": self.reward_before(),
+                "reward_after": self.reward_after(), "steps_per_s": self.steps_per_s(),
+                "samples_per_s": self.samples_per_s(), "staleness_hist": dict(sorted(self.staleness_hist.items())),
+                "batches_trained": self.batches_trained, "batches_unused": self.batches_unused,
+                "stale_groups": self.stale_groups, "rewards": self.rewards}
+
+
+class RunLog:
+    """Folds trainer events into per-policy summaries; ``follow`` reads new ones from Redis."""
+
+    def __init__(self) -> None:
+        self.policies: dict[str, PolicySummary] = {}
+        self.cursor = "0"
+        self._seen_steps: set[tuple[str, str, int]] = set()
+
+    def policy(self, name: str) -> PolicySummary:
+        if name not in self.policies:
+            self.policies[name] = PolicySummary(name)
+        return self.policies[name]
+
+    def add(self, event: Event) -> TrainStepDone | None:
+        """Fold one event; returns it when it is a new ``TrainStepDone``."""
+        if isinstance(event, TrainStepDone):
+            key = (event.policy, event.trainer_id, event.step)
+            if key in self._seen_steps:
+                return None
+            self._seen_steps.add(key)
+            p = self.policy(event.policy)
+            p.steps = max(p.steps, event.step)
+            p.rewards.append(float(event.metrics.get("reward_mean", float("nan"))))
+            p.step_ts_ms.append(event.ts_ms)
+            p.samples.append(float(event.metrics.get("n_samples", 0.0)))
+            p.stale_groups = max(p.stale_groups, float(event.metrics.get("stale_groups_total", 0.0)))
+            for name, value in event.metrics.items():
+                if name.startswith(STALENESS_PREFIX):
+                    s = int(name[len(STALENESS_PREFIX):])
+                    p.staleness_hist[s] = p.staleness_hist.get(s, 0) + int(value)
+            return event
+        if isinstance(event, BatchConsumed):
+            p = self.policy(event.policy)
+            if event.accepted:
+                p.batches_trained += 1
+                p.batch_ids.append(event.batch_id)
+            else:
+                p.batches_unused += 1
+        return None
+
+    def add_all(self, events: Iterable[Event]) -> list[TrainStepDone]:
+        return [e for e in (self.add(ev) for ev in events) if e is not None]
+
+    def follow(self, client: Redis, keys: Keys, block_ms: int = 500, guard: Guard | None = None) -> list[TrainStepDone]:
+        """Read what the trainer stream gained since the last call; returns the new steps."""
+        g = guard or Guard(client, name="run log")
+        reply: Any = g.call(partial(_xread, stream=keys.trainer_stream, after=self.cursor, block_ms=block_ms))
+        events: list[Event] = []
+        for entries in _rows(reply):
+            entry_id, fields = entries
+            self.cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            try:
+                events.append(decode(fields))
+            except Exception as exc:
+                log.warning("unreadable trainer event %s: %s", self.cursor, exc)
+        return self.add_all(events)
+
+
+def _xread(c: Redis, *, stream: str, after: str, block_ms: int) -> Any:
+    return c.xread({stream: after}, count=500, block=block_ms if block_ms > 0 else None)
+
+
+def _rows(reply: Any) -> list[tuple[Any, Any]]:
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return [(e[0], e[1]) for entries in reply.values() for e in entries]
+    return [(e[0], e[1]) for _, entries in reply for e in entries]
+
+
+def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: float) -> str:
+    lines = [f"mode {mode}, {wall_s:.1f}s wall"]
+    for p in policies:
+        hist = ", ".join(f"{s}: {n}" for s, n in sorted(p.staleness_hist.items())) or "-"
+        lines += [
+            f"policy {p.policy}: {p.steps} steps",
+            f"  reward      {p.reward_before():.3f} -> {p.reward_after():.3f} "
+            f"(mean of the first 2 and the last 5 steps)",
+            f"  speed       {p.steps_per_s():.2f} steps/s, {p.samples_per_s():.0f} samples/s (steady state)",
+            f"  staleness   samples by versions behind: {hist}",
+            f"  batches     {p.batches_trained} trained, {p.batches_unused} not trained; "
+            f"{p.stale_groups:.0f} stale groups left out",
+        ]
+    return "\n".join(lines)
+
+
+def plot_rewards(policies: Iterable[PolicySummary], path: str | Path, *, title: str = "") -> Path:
+    """A PNG of each policy's reward per step (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for p in policies:
+        ax.plot(range(1, len(p.rewards) + 1), p.rewards, marker=".", label=p.policy)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward of the trained batch")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,394 @@
+"""The reference trainer: one policy, one consumer group, GRPO on ``lm.TinyLM``.
+
+Modes (DESIGN.md section 2):
+
+- ``sync``: request rollout ``r``, wait for its batch, train, publish ``v+1`` and wait
+  until the engines serve it; every sample is on-policy (staleness 0).
+- ``one-step``: request ``r+1`` before training on ``r``; before publishing the new
+  weights, wait for ``r+1``'s batch (miles' ``train_async.py``), so with an update per
+  step every batch after the first is exactly one version stale.
+- ``async``: keep ``in_flight`` requests queued, train on whichever batch arrives first,
+  publish without waiting; groups whose oldest sample is more than ``max_staleness``
+  versions behind are dropped or their prompts requeued.
+
+One step: train, save the weights file of ``v+1``, checkpoint (model, optimiser, trained
+batch ids, step, version; atomically), then ack the batch (``BatchConsumed``), then
+``WeightsPublished`` and ``TrainStepDone``. A restarted trainer loads the checkpoint,
+re-reads its pending batches first, skips-and-acks those the checkpoint lists and
+republishes its version if the crash came before the announcement.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from events.connection import Redis
+from events.names import Keys
+from events.publish import Publisher
+from events.schema import Producer, TrainStepDone
+from events.train_data import TrainData
+from lm.model import ModelConfig, TinyLM, load_config, load_model
+from trainer import metrics as m
+from trainer.checkpoint import CheckpointStore, TrainerState
+from trainer.client import ClientConfig, ReceivedBatch, RolloutClient
+from trainer.config import ConfigError, TrainerConfig
+from trainer.learner import Learner
+from trainer.report import STALENESS_PREFIX
+from trainer.requeue import Requeuer, stale_items
+from trainer.staleness import split_stale
+from trainer.weights import WeightPublisher
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "ROLLOUT_BUS_TRAINER_FAULT"
+"""``crash-after-checkpoint:<step>``: SIGKILL itself right after that step's checkpoint (fault tests)."""
+
+StepHook = Callable[[TrainerState, dict[str, float]], None]
+
+
+@dataclass
+class _Timers:
+    request_sent: dict[int, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Explicit ``start`` / ``run`` / ``stop``; see the module docstring for one step."""
+
+    # --- construction ----------------------------------------------------------------------
+    def __init__(self, config: TrainerConfig, client: Redis, keys: Keys | None = None) -> None:
+        self.config = config.validate()
+        if config.dp_size != 1:
+            raise ConfigError("the reference trainer runs one data-parallel rank (dp_size 1); the client "
+                              "supports ranks (trainer.client, trainer.shards) for trainers that sync gradients")
+        self.redis = client
+        self.keys = keys or Keys(config.namespace)
+        self.producer = Producer("trainer", f"{config.instance}-{config.trainer_id}")
+        self.on_step: list[StepHook] = []
+        # --- set by start() ---
+        self.model: TinyLM | None = None
+        self.learner: Learner | None = None
+        self.state: TrainerState | None = None
+        self.client: RolloutClient | None = None
+        self.weights: WeightPublisher | None = None
+        self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
+        self.publisher = Publisher(client, self.keys, self.producer)
+        self.requeuer = Requeuer(client, self.keys)
+        self._timers = _Timers()
+        self._labels = (config.policy, config.trainer_id)
+        self._wait_ms = 0.0
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def start(self) -> TrainerState:
+        """Load the checkpoint (or the initial weights), join the group, make sure the engines serve us."""
+        cfg = self.config
+        torch.set_num_threads(max(1, cfg.torch_threads))
+        torch.manual_seed(cfg.seed)
+        checkpoint = self.store.load() if self.store is not None else None
+        if checkpoint is not None:
+            model = TinyLM(ModelConfig.from_dict(checkpoint.model_config) if checkpoint.model_config
+                           else load_config(cfg.model_path))
+            model.load_state_dict(checkpoint.model)
+            self.learner = Learner(model, cfg.optim, cfg.loss)
+            self.learner.optimizer.load_state_dict(checkpoint.optimizer)
+            self.state = checkpoint.state
+        else:
+            if not cfg.model_path:
+                raise ConfigError("model_path is required when there is no checkpoint to resume")
+            model = load_model(cfg.model_path)
+            self.learner = Learner(model, cfg.optim, cfg.loss)
+            self.state = TrainerState(version=cfg.initial_version)
+        self.model = model
+        self.client = RolloutClient(self.redis, self.keys, ClientConfig(
+            policy=cfg.policy, trainer_id=cfg.trainer_id, group=cfg.group, consumer_index=cfg.dp_rank,
+            rollout=cfg.rollout), self.producer)
+        self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
+                                       self.producer, keep_versions=cfg.publish.keep_versions)
+        self.client.start()
+        self.weights.adopt(self.state.version)
+        self._ensure_served()
+        if self.state.step > 0:  # a crash may have come between the checkpoint and the announcement
+            self._announce_step()
+        m.VERSION.labels(*self._labels).set(self.state.version)
+        log.info("trainer %s of %s at step %d, version %d (%s mode, %d in flight)", cfg.trainer_id, cfg.policy,
+                 self.state.step, self.state.version, cfg.schedule.mode, len(self.state.in_flight))
+        return self.state
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.stop()
+
+    def _ensure_served(self) -> None:
+        """Publish the current version if the controller never got it; wait until it is served."""
+        assert self.weights is not None and self.state is not None and self.model is not None
+        version = self.state.version
+        self.weights.wait_engines(self.config.publish.serving_timeout_s)
+        if self.weights.serving_version() >= version:
+            return
+        if self.weights.published_version() < version:
+            self.weights.publish(self.model, version)
+        self.weights.wait_serving(version, self.config.publish.serving_timeout_s)
+
+    # --- the loop --------------------------------------------------------------------------
+    def run(self, steps: int | None = None) -> TrainerState:
+        """Train until ``steps`` (default: the configured number) steps are done in total."""
+        assert self.state is not None
+        target = self.config.steps if steps is None else steps
+        mode = self.config.schedule.mode
+        while self.state.step < target:
+            if mode == "sync":
+                self._sync_step()
+            elif mode == "one-step":
+                self._one_step_ahead(target)
+            else:
+                self._async_step(target)
+        return self.state
+
+    def _sync_step(self) -> None:
+        state = self._st()
+        if not state.in_flight:
+            self._request(state.next_rollout_id)
+        rid = min(state.in_flight)
+        if self._consume(self._await(rid)):
+            self._publish_version(wait=self.config.wait_serving)
+
+    def _one_step_ahead(self, target: int) -> None:
+        state = self._st()
+        if not state.in_flight:
+            self._request(state.next_rollout_id)
+        rid = min(state.in_flight)
+        batch = self._await(rid)
+        if state.step + 1 < target and len(state.in_flight) < 2:
+            self._request(state.next_rollout_id)
+        trained = self._consume(batch)
+        if not trained:
+            return
+        ahead = [r for r in state.in_flight if r > rid]
+        if ahead:  # miles: finish the in-flight rollout before updating the weights
+            self._wait_buffered(min(ahead))
+        self._publish_version(wait=self.config.wait_serving)
+
+    def _async_step(self, target: int) -> None:
+        state = self._st()
+        k = self.config.schedule.in_flight
+        while len(state.in_flight) < min(k, target - state.step):
+            self._request(state.next_rollout_id)
+        if self._consume(self._await(None)):
+            self._publish_version(wait=self.config.wait_serving)
+
+    # --- requests --------------------------------------------------------------------------
+    def _request(self, rollout_id: int, attempt: int = 1) -> None:
+        state, client = self._st(), self._cl()
+        request_id = client.request_id(state.run_id, rollout_id, attempt)
+        client.request(rollout_id, request_id)
+        state.in_flight[rollout_id] = request_id
+        state.attempts[rollout_id] = attempt
+        state.next_rollout_id = max(state.next_rollout_id, rollout_id + 1)
+        self._timers.request_sent[rollout_id] = time.monotonic()
+
+    def _resubmit_overdue(self) -> None:
+        state = self._st()
+        now = time.monotonic()
+        for rid, request_id in list(state.in_flight.items()):
+            sent = self._timers.request_sent.setdefault(rid, now)
+            if now - sent > self.config.rollout.timeout_s:
+                attempt = state.attempts.get(rid, 1) + 1
+                log.warning("rollout %d (%s) has no batch after %.0fs: asking again (attempt %d)", rid,
+                            request_id, now - sent, attempt)
+                state.count("rollouts_reasked")
+                self._request(rid, attempt)
+
+    def _ours(self, batch: ReceivedBatch) -> bool:
+        state = self._st()
+        rid = batch.rollout_id
+        if rid not in state.in_flight:
+            return False
+        base = self._cl().request_id(state.run_id, rid)
+        return batch.request_id == base or batch.request_id.startswith(base + "-a")
+
+    # --- receiving -------------------------------------------------------------------------
+    def _await(self, rollout_id: int | None) -> ReceivedBatch:
+        """The batch of ``rollout_id`` (or, for None, the first batch of ours to arrive)."""
+        client = self._cl()
+        started = time.monotonic()
+        deadline = started + self.config.get_timeout_s
+        while True:
+            self._sweep()
+            batch = client.take(lambda b: self._ours(b) and (rollout_id is None or b.rollout_id == rollout_id))
+            if batch is not None:
+                self._wait_ms = (time.monotonic() - started) * 1000
+                m.STEP_SECONDS.labels(*self._labels, "wait_batch").observe(self._wait_ms / 1000)
+                return batch
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no batch for {'rollout ' + str(rollout_id) if rollout_id is not None else 'any'}"
+                                   f" after {self.config.get_timeout_s:.0f}s")
+            self._resubmit_overdue()
+            client.poll()
+
+    def _wait_buffered(self, rollout_id: int) -> None:
+        client = self._cl()
+        deadline = time.monotonic() + self.config.get_timeout_s
+        while not any(b.rollout_id == rollout_id and self._ours(b) for b in client.buffered()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no batch for rollout {rollout_id} after {self.config.get_timeout_s:.0f}s")
+            self._sweep()
+            self._resubmit_overdue()
+            client.poll()
+
+    def _sweep(self) -> None:
+        """Ack what needs no training: batches the checkpoint lists, and batches that are not ours."""
+        state, client = self._st(), self._cl()
+        done = state.done_batch_ids()
+        while True:
+            batch = client.take(lambda b: b.batch_id in done or not self._ours(b))
+            if batch is None:
+                return
+            if batch.batch_id in done:
+                log.info("batch %s was trained before the restart: skip and ack", batch.batch_id)
+                state.count("skipped_already_trained")
+                client.ack(batch, staleness=max(0, state.version - batch.event.min_weight_version),
+                           accepted=batch.batch_id in {b for _, b in state.trained})
+                continue
+            log.warning("batch %s (request %s) is not one this trainer waits for: acked unused",
+                        batch.batch_id, batch.request_id)
+            state.count("foreign_batches")
+            state.dropped.append(batch.batch_id)
+            m.BATCHES.labels(*self._labels, "foreign").inc()
+            client.ack(batch, staleness=max(0, state.version - batch.event.min_weight_version), accepted=False)
+
+    # --- one batch -------------------------------------------------------------------------
+    def _consume(self, batch: ReceivedBatch) -> bool:
+        """Train on ``batch`` (what the staleness budget leaves of it); True when a step was made."""
+        state, client, cfg = self._st(), self._cl(), self.config
+        rid = batch.rollout_id
+        batch_staleness = max(0, state.version - batch.event.min_weight_version)
+        data = batch.data
+        if data is None:
+            log.warning("batch %s has no usable payload (%s): asking for rollout %d again", batch.batch_id,
+                        batch.error, rid)
+            state.count("payload_missing")
+            state.dropped.append(batch.batch_id)
+            client.ack(batch, staleness=batch_staleness, accepted=False)
+            self._request(rid, state.attempts.get(rid, 1) + 1)
+            return False
+        state.in_flight.pop(rid, None)
+        self._timers.request_sent.pop(rid, None)
+        budget = cfg.schedule.max_staleness if cfg.schedule.mode == "async" else None
+        split = split_stale(data, state.version, budget)
+        if split.stale_groups:
+            action = cfg.schedule.stale_policy
+            state.count("stale_groups", len(split.stale_groups))
+            state.count("stale_samples", split.stale_samples)
+            m.STALE_GROUPS.labels(*self._labels, action).inc(len(split.stale_groups))
+            if action == "requeue":
+                source = str(data.metadata.get("data_source", ""))
+                if source:
+                    state.count("requeued_groups", self.requeuer.give_back(
+                        cfg.policy, source, stale_items(data, split.stale_groups)))
+                else:
+                    log.warning("batch %s names no data source: its stale prompts are dropped", batch.batch_id)
+        fresh = split.fresh
+        if fresh is None:
+            log.info("batch %s is entirely stale (%d versions behind): not trained", batch.batch_id,
+                     batch_staleness)
+            state.count("stale_batches")
+            state.dropped.append(batch.batch_id)
+            m.BATCHES.labels(*self._labels, "stale").inc()
+            client.ack(batch, staleness=batch_staleness, accepted=False)
+            return False
+        self._train(batch, fresh, split.staleness, batch_staleness)
+        return True
+
+    def _train(self, batch: ReceivedBatch, data: TrainData, staleness_all: torch.Tensor,
+               batch_staleness: int) -> None:
+        state, client, learner = self._st(), self._cl(), self._ln()
+        t0 = time.perf_counter()
+        trained_staleness = state.version - data.weight_versions
+        metrics = learner.train_step(data)
+        state.step += 1
+        state.version += 1
+        state.trained.append((state.step, batch.batch_id))
+        for s in trained_staleness.tolist():
+            state.staleness_hist[int(s)] = state.staleness_hist.get(int(s), 0) + 1
+            m.STALENESS.labels(*self._labels).observe(s)
+        reward = float(data.raw_reward.mean())
+        state.rewards.append(reward)
+        t1 = time.perf_counter()
+        metrics.update(
+            reward_mean=reward, reward_batch_mean=float(batch.data.raw_reward.mean()) if batch.data else reward,
+            n_samples=float(len(data)), n_samples_batch=float(batch.event.n_samples),
+            staleness_max=float(trained_staleness.max()), staleness_mean=float(trained_staleness.float().mean()),
+            batch_staleness=float(batch_staleness), batch_staleness_all_max=float(staleness_all.max()),
+            rollout_id=float(batch.rollout_id), wait_ms=self._wait_ms, step_ms=(t1 - t0) * 1000,
+            in_flight=float(len(state.in_flight)), stale_groups_total=state.counters.get("stale_groups", 0.0),
+            stale_samples_total=state.counters.get("stale_samples", 0.0))
+        for s, n in zip(*torch.unique(trained_staleness, return_counts=True), strict=True):
+            metrics[f"{STALENESS_PREFIX}{int(s)}"] = float(n)
+        state.last_metrics = metrics
+        assert self.weights is not None and self.model is not None
+        self.weights.save(self.model, state.version)
+        if self.store is not None:
+            self.store.save(state, self.model, learner.optimizer)
+        metrics["save_ms"] = (time.perf_counter() - t1) * 1000
+        _maybe_crash(state.step)
+        client.ack(batch, staleness=batch_staleness, accepted=True)
+        m.BATCHES.labels(*self._labels, "trained").inc()
+        m.STEPS.labels(*self._labels).inc()
+        m.REWARD.labels(*self._labels).set(reward)
+        m.STEP_SECONDS.labels(*self._labels, "train").observe(t1 - t0)
+        for hook in self.on_step:
+            hook(state, metrics)
+        log.info("step %d: reward %.3f on %d samples (staleness max %d), loss %.4f, %.0f ms", state.step, reward,
+                 len(data), int(trained_staleness.max()), metrics.get("loss", 0.0), (t1 - t0) * 1000)
+
+    def _publish_version(self, *, wait: bool) -> None:
+        state, cfg = self._st(), self.config
+        assert self.weights is not None
+        t0 = time.perf_counter()
+        published = self.weights.publish(None, state.version)
+        t1 = time.perf_counter()
+        m.VERSION.labels(*self._labels).set(state.version)
+        waited = 0.0
+        if wait:
+            waited = self.weights.wait_serving(state.version, cfg.publish.serving_timeout_s,
+                                               after_id=published.entry_id)
+            m.STEP_SECONDS.labels(*self._labels, "wait_serving").observe(waited)
+        self._announce_step(publish_ms=(t1 - t0) * 1000, serving_wait_ms=waited * 1000)
+
+    def _announce_step(self, **extra: float) -> None:
+        """``TrainStepDone`` of the current step (once: a restart repeats it under the same key)."""
+        state, cfg = self._st(), self.config
+        metrics = {**state.last_metrics, **extra}
+        self.publisher.publish(self.keys.trainer_stream, TrainStepDone(
+            producer=self.producer, policy=cfg.policy, trainer_id=cfg.trainer_id, step=state.step,
+            weight_version=state.version, metrics=metrics),
+            idempotency_key=f"step.{cfg.trainer_id}.{state.run_id}.{state.step}")
+
+    # --- accessors -------------------------------------------------------------------------
+    def _st(self) -> TrainerState:
+        if self.state is None:
+            raise RuntimeError("Trainer.start() first")
+        return self.state
+
+    def _cl(self) -> RolloutClient:
+        if self.client is None:
+            raise RuntimeError("Trainer.start() first")
+        return self.client
+
+    def _ln(self) -> Learner:
+        if self.learner is None:
+            raise RuntimeError("Trainer.start() first")
+        return self.learner
+
+
+def _maybe_crash(step: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith("crash-after-checkpoint:") and int(spec.split(":", 1)[1]) == step:
+        log.warning("fault injection: SIGKILL after the checkpoint of step %d", step)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,182 @@
+"""Publishing new weights: a versioned safetensors file, its sha256, ``WeightsPublished``.
+
+The file goes to ``<weights_root>/<policy>/v<version>/model.safetensors`` (with its
+``config.json``), written atomically by ``lm.model.save_weights``. The event's
+idempotency key is ``weights.<policy>.<version>``, so publishing a version again after
+a restart never adds a second event. ``wait_serving`` then waits until the controller
+announces ``WeightVersionServing`` for that version or a newer one (or the registry
+says so), up to a timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from events.connection import Guard, Redis
+from events.names import Keys
+from events.publish import Publisher
+from events.registry import Registry
+from events.schema import Producer, WeightsPublished, WeightUpdateFailed, WeightVersionServing, decode
+from lm.model import TinyLM, save_weights
+
+log = logging.getLogger(__name__)
+
+
+def version_dir(weights_root: str | Path, policy: str, version: int) -> Path:
+    return Path(weights_root) / policy / f"v{version:06d}"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class Published:
+    version: int
+    uri: str
+    sha256: str
+    entry_id: str
+    save_ms: float
+
+
+class ServingTimeout(TimeoutError):
+    """The engines did not serve a published version in time."""
+
+
+class WeightPublisher:
+    """Saves and announces the weight versions of one policy."""
+
+    def __init__(self, client: Redis, keys: Keys, policy: str, weights_root: str | Path, producer: Producer,
+                 *, keep_versions: int = 4) -> None:
+        self.client = client
+        self.keys = keys
+        self.policy = policy
+        self.root = Path(weights_root)
+        self.keep_versions = keep_versions
+        self.publisher = Publisher(client, keys, producer)
+        self.registry = Registry(client, keys)
+        self.guard = Guard(client, name=f"weights {policy}")
+        self._published: list[int] = []
+
+    def adopt(self, current: int) -> None:
+        """Take over the versions on disk up to ``current`` (after a restart), so pruning goes on."""
+        directory = self.root / self.policy
+        found = sorted(int(p.name[1:]) for p in directory.glob("v[0-9]*") if p.name[1:].isdigit()) \
+            if directory.is_dir() else []
+        self._published = [v for v in found if v <= current]
+        self._prune()
+
+    def save(self, model: TinyLM, version: int) -> tuple[Path, str]:
+        """Write version ``version`` and return its directory and the sha256 of its weights file."""
+        directory = version_dir(self.root, self.policy, version)
+        path = save_weights(model, directory)
+        return directory, sha256_file(path)
+
+    def publish(self, model: TinyLM | None, version: int) -> Published:
+        """Save (unless ``model`` is None: the file is already there) and announce ``version``."""
+        started = time.perf_counter()
+        directory = version_dir(self.root, self.policy, version)
+        if model is not None:
+            directory, digest = self.save(model, version)
+        else:
+            digest = sha256_file(directory / "model.safetensors")
+        save_ms = (time.perf_counter() - started) * 1000
+        uri = str(directory.resolve())
+        event = WeightsPublished(producer=self.publisher.producer, policy=self.policy, version=version,
+                                 uri=uri, sha256=digest)
+        entry_id = self.publisher.publish(self.keys.weight_stream, event,
+                                          idempotency_key=f"weights.{self.policy}.{version}")
+        log.debug("published %s v%d (%s)", self.policy, version, entry_id)
+        self._published.append(version)
+        self._prune()
+        return Published(version, uri, digest, entry_id, save_ms)
+
+    def serving_version(self) -> int:
+        """The version every serving engine runs: the policy record, else the engines' own reports."""
+        record = self.registry.policy(self.policy)
+        if record is not None and record.serving >= 0:
+            return record.serving
+        engines = self.registry.serving(self.policy)
+        return min(e.versions[self.policy] for e in engines) if engines else -1
+
+    def wait_engines(self, timeout_s: float) -> None:
+        """Until some engine serves (any policy): before that, what a policy serves is not known yet."""
+        deadline = time.monotonic() + timeout_s
+        while not any(e.state == "serving" for e in self.registry.engines().values()):
+            if self.registry.policy(self.policy) is not None:
+                return  # a policy record (written by the controller) answers on its own
+            if time.monotonic() > deadline:
+                raise ServingTimeout(f"no engine serves after {timeout_s:.1f}s")
+            time.sleep(0.05)
+
+    def published_version(self) -> int:
+        record = self.registry.policy(self.policy)
+        return record.published if record is not None else -1
+
+    def wait_serving(self, version: int, timeout_s: float, after_id: str = "0") -> float:
+        """Block until ``version`` (or newer) is served; returns the seconds waited.
+
+        Follows the weight stream from ``after_id``; the registry is checked first and on
+        every quiet second, so an announcement made before the wait began is not missed.
+        """
+        started = time.monotonic()
+        deadline = started + timeout_s
+        cursor = after_id
+        while True:
+            if self.serving_version() >= version:
+                return time.monotonic() - started
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServingTimeout(f"{self.policy} v{version} not served after {timeout_s:.1f}s "
+                                     f"(serving v{self.serving_version()})")
+            block_ms = max(1, int(min(remaining, 1.0) * 1000))
+            reply: Any = self.guard.call(partial(_xread, stream=self.keys.weight_stream, after=cursor,
+                                                 block_ms=block_ms))
+            for entry_id, fields in _entries(reply):
+                cursor = entry_id
+                try:
+                    event = decode(fields)
+                except Exception:
+                    continue
+                if isinstance(event, WeightVersionServing) and event.policy == self.policy \
+                        and event.version >= version:
+                    return time.monotonic() - started
+                if isinstance(event, WeightUpdateFailed) and event.policy == self.policy \
+                        and event.version == version:
+                    log.warning("%s v%d failed on engine %s: %s", self.policy, version, event.engine_id,
+                                event.reason)
+
+    def _prune(self) -> None:
+        if self.keep_versions <= 0:
+            return
+        while len(self._published) > self.keep_versions:
+            old = self._published.pop(0)
+            shutil.rmtree(version_dir(self.root, self.policy, old), ignore_errors=True)
+
+
+def _xread(c: Redis, *, stream: str, after: str, block_ms: int) -> Any:
+    return c.xread({stream: after}, count=64, block=block_ms)
+
+
+def _entries(reply: Any) -> list[tuple[str, Any]]:
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        rows = [e for entries in reply.values() for e in entries]
+    else:
+        rows = [e for _, entries in reply for e in entries]
+    out: list[tuple[str, Any]] = []
+    for entry_id, fields in rows:
+        out.append((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id), fields))
+    return out
