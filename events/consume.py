@@ -73,6 +73,7 @@ class Consumer:
         self.guard = guard or Guard(client, name=f"consumer {group}/{name}")
         self.decoder = decoder
         self._recovering = True
+        self._recover_from = "0"
         self._outages_seen = self.guard.outages
         self._last_claim = 0.0
         self._claim_cursor = "0-0"
@@ -106,6 +107,7 @@ class Consumer:
                 log.warning("group %s on %s is gone (Redis lost its data?); recreating", self.group, self.stream)
                 self._group_ready = False
                 self._recovering = True
+                self._recover_from = "0"
                 return []
             raise
 
@@ -114,11 +116,16 @@ class Consumer:
             # a read whose reply died with the connection left its entries pending to us, unseen
             self._outages_seen = self.guard.outages
             self._recovering = True
+            self._recover_from = "0"
         if self._recovering:
-            raw = self._xreadgroup("0", count, None)
+            # page through our own pending list once: entries handed out but not yet acked
+            # (a consumer that acks after long work) are not handed out again
+            raw = self._xreadgroup(self._recover_from, count, None)
             if raw:
+                self._recover_from = _s(raw[-1][0])
                 return self._accept(raw, pending=True)
             self._recovering = False
+            self._recover_from = "0"
         now = time.monotonic()
         if (now - self._last_claim) * 1000 >= self.config.claim_every_ms:
             self._last_claim = now

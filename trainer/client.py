@@ -127,19 +127,13 @@ class RolloutClient:
         """Read what the group has for us into the buffer; returns how many batches came in."""
         messages = self.consumer.read(block_ms if block_ms is not None else self.config.block_ms)
         added = 0
-        recovering_repeat = bool(messages)
         for msg in messages:
             if msg.id in self._buffer:
                 continue
-            recovering_repeat = False
             batch = self._receive(msg)
             if batch is not None:
                 self._buffer[msg.id] = batch
                 added += 1
-        if recovering_repeat:
-            # Own pending entries come back on every recovery read until they are acked; they are
-            # all buffered already, so move on to new entries.
-            self.consumer._recovering = False
         return added
 
     def _receive(self, msg: Message) -> ReceivedBatch | None:

@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgpack
-
-from events.connection import Guard, Redis
+from events.connection import Redis
 from events.names import Keys
 from events.train_data import TrainData
-from executor.cursor import RETURNED
+from executor.cursor import CursorStore
 from lm.tokenizer import decode
 
 log = logging.getLogger(__name__)
@@ -43,25 +41,15 @@ def stale_items(data: TrainData, groups: list[int]) -> list[Item]:
 
 
 class Requeuer:
-    """Appends items to the ``returned`` list of a data-source cursor, atomically."""
+    """Gives items back to a data-source cursor; they go out first in the next rollout."""
 
     def __init__(self, client: Redis, keys: Keys) -> None:
         self.keys = keys
-        self.guard = Guard(client, name="requeue")
+        self.cursor = CursorStore(client, keys)
 
     def give_back(self, policy: str, source_name: str, items: list[Item]) -> int:
         if not items:
             return 0
-        key = self.keys.data_cursor(policy, source_name)
-
-        def append(pipe: Any) -> None:
-            raw = pipe.hget(key, RETURNED)
-            current = [] if raw is None else msgpack.unpackb(raw, raw=False)
-            have = {it.get("index") for it in current}
-            merged = current + [it for it in items if it["index"] not in have]
-            pipe.multi()
-            pipe.hset(key, RETURNED, msgpack.packb(merged, use_bin_type=True))
-
-        self.guard.call(lambda c: c.transaction(append, key))
-        log.info("requeued %d stale prompt(s) of %s into %s", len(items), policy, source_name)
+        added = self.cursor.give_back(self.keys.data_cursor(policy, source_name), items)
+        log.info("requeued %d stale prompt(s) of %s into %s", added, policy, source_name)
         return len(items)
