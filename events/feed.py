@@ -6,12 +6,15 @@ read them), so two passes over one file give the same batches in the same order.
 ``fields`` are the batch's tensors and ragged fields by name and ``meta`` its metadata, as
 ``events.batch.decode`` gives them (``TrainData.from_tensors(fields, meta)`` rebuilds train
 data); ``meta["batch_ready"]`` adds the event's fields and where its entry was.
+``trained_batch_ids(path)`` lists the batches a trainer of the log accepted
+(``BatchConsumed`` with ``accepted``), in the order it consumed them; pass them as ``only``
+to feed just the batches the live run trained.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Container, Generator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ import torch
 
 from events.batch import Ragged, decode
 from events.logfile import LogEntry, LogReader, Payload, is_batch_ready
-from events.schema import BatchReady
+from events.schema import BatchConsumed, BatchReady
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +37,10 @@ def _event_meta(event: BatchReady, entry: LogEntry) -> dict[str, Any]:
 
 
 def feed_batches(path: str | Path, *, policy: str | None = None, verify: bool = True,
-                 allow_truncated: bool = False) -> Iterator[tuple[str, Fields, dict[str, Any]]]:
-    """Every recorded batch of ``path`` (of ``policy`` when given) as ``(batch_id, fields, meta)``."""
+                 allow_truncated: bool = False,
+                 only: Container[str] | None = None) -> Generator[tuple[str, Fields, dict[str, Any]], None, None]:
+    """Every recorded batch of ``path`` (of ``policy`` when given; among ``only`` when given)
+    as ``(batch_id, fields, meta)``."""
     with LogReader(path, allow_truncated=allow_truncated) as reader:
         pending: dict[tuple[str, str], Payload] = {}
         for record in reader:
@@ -46,6 +51,8 @@ def feed_batches(path: str | Path, *, policy: str | None = None, verify: bool = 
             event = is_batch_ready(record)
             if event is None or (policy is not None and event.policy != policy):
                 continue
+            if only is not None and event.batch_id not in only:
+                continue
             if payload is None:
                 log.warning("batch %s (%s %s) has no payload in the log: skipped", event.batch_id, record.stream,
                             record.id)
@@ -53,3 +60,18 @@ def feed_batches(path: str | Path, *, policy: str | None = None, verify: bool = 
             batch = decode(bytearray(payload.data), verify=verify)
             fields: Fields = {**batch.tensors, **batch.ragged}
             yield event.batch_id, fields, {**batch.meta, "batch_ready": _event_meta(event, record)}
+
+
+def trained_batch_ids(path: str | Path, *, policy: str | None = None, trainer_id: str | None = None,
+                      allow_truncated: bool = False) -> list[str]:
+    """Ids of the batches a trainer accepted (``BatchConsumed.accepted``), first consumption first, once each."""
+    seen: dict[str, None] = {}
+    with LogReader(path, allow_truncated=allow_truncated) as reader:
+        for item in reader.events():
+            ev = item.event
+            if not isinstance(ev, BatchConsumed) or not ev.accepted:
+                continue
+            if (policy is not None and ev.policy != policy) or (trainer_id is not None and ev.trainer_id != trainer_id):
+                continue
+            seen.setdefault(ev.batch_id, None)
+    return list(seen)

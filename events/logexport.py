@@ -6,8 +6,15 @@ stream and one payload. For every ``BatchReady`` the payload bytes are fetched t
 ``PayloadSource`` and written just before the entry.
 
 Ids order entries of different streams only to the millisecond (the sequence part counts
-per stream): entries of one millisecond are taken stream by stream, in
-``discover_streams`` order, which is the same live and after an import.
+per stream): entries of one millisecond are taken by their sequence part, and entries with
+the same id on several streams stream by stream in ``discover_streams`` order, which is the
+same live and after an import.
+
+A batch's payload lives only until its last reader releases it (``events.batches``): once
+the trainer has acked a batch its bytes are gone. To export a run with its batches, call
+``hold_payloads`` before the run, which registers a group on each policy's batch stream that
+never reads, so every payload stays until its TTL or a sweep (and retention keeps the
+entries). ``release_payloads`` lets them go.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import IO, Any, Protocol
 
 import redis
 
-from events.connection import Guard
+from events.connection import Guard, is_busygroup
 from events.errors import PayloadMissing
 from events.logfile import (
     BATCHES,
@@ -37,7 +44,7 @@ from events.logfile import (
     logical_stream,
     stream_key,
 )
-from events.names import Keys
+from events.names import Keys, check_name
 from events.replay import page
 from events.schema import BatchReady
 
@@ -178,6 +185,60 @@ def _write(client: redis.Redis, keys: Keys, fh: IO[bytes], header: Header, strea
     writer.close()
     stats.entries = dict(writer.entries)
     return stats
+
+
+HOLD_GROUP = "log-export"
+
+
+def hold_payloads(client: redis.Redis, keys: Keys, policies: Sequence[str], *, group: str = HOLD_GROUP,
+                  guard: Guard | None = None) -> None:
+    """Register ``group`` on each policy's batch stream (created if missing) as a reader that never reads.
+
+    Batches published from then on keep their payloads (until their TTL or a sweep), so a later
+    ``export_log`` can write them; call it before the run.
+    """
+    check_name("group", group)
+
+    def run(c: redis.Redis) -> None:
+        for policy in policies:
+            stream = keys.batch_stream(policy)
+            try:
+                c.xgroup_create(stream, group, id="$", mkstream=True)
+            except redis.ResponseError as exc:
+                if not is_busygroup(exc):
+                    raise
+            c.sadd(keys.registered_groups(stream), group)
+    (guard or Guard(client, name="export")).call(run)
+
+
+def release_payloads(client: redis.Redis, keys: Keys, policies: Sequence[str], *, group: str = HOLD_GROUP,
+                     guard: Guard | None = None) -> int:
+    """Undo ``hold_payloads``: release every payload ``group`` holds and drop the group; returns how many
+    payloads were deleted (those no other group still needed)."""
+    from events.batches import BatchChannel
+
+    g = guard or Guard(client, name="export")
+    channel = BatchChannel(client, keys, guard=g)
+    deleted = 0
+    try:
+        for policy in policies:
+            stream = keys.batch_stream(policy)
+
+            def unregister(c: redis.Redis, st: str = stream) -> None:
+                c.srem(keys.registered_groups(st), group)
+
+            def destroy(c: redis.Redis, st: str = stream) -> None:
+                if c.exists(st):
+                    c.xgroup_destroy(st, group)
+            g.call(unregister)
+            for _, fields in page(client, stream, guard=g):
+                event = is_batch_ready(LogEntry(BATCHES + policy, "0-0", fields))
+                if event is not None and group in channel.readers(str(event.payload.get("ref"))):
+                    deleted += bool(channel.release(event, group))
+            g.call(destroy)
+    finally:
+        channel.close()
+    return deleted
 
 
 def resolve_streams(keys: Keys, names: Sequence[str]) -> list[str]:

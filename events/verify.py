@@ -5,7 +5,9 @@
   min and max, and with ``verify_log`` every sample's from the exported payload) was published
   before (``WeightsPublished``), and every version an engine announced as serving was
   applied to that engine since it was (re)launched. ``base_version`` is the version engines launch with
-  (the controller's initial checkpoint); it counts as published and received.
+  (the controller's initial checkpoint); it counts as published and received. Entry ids order
+  different streams only to the millisecond, so a ``WeightsApplied`` in the same millisecond as
+  the ``EngineServing`` it precedes may come after it in the log: it still counts.
 - Every completed request has exactly one batch, and it is the batch it names.
 - No version went backwards: per policy published and serving, per engine and policy applied.
 
@@ -66,6 +68,8 @@ class _Check:
     completed: dict[str, list[tuple[str, LogEvent]]] = field(default_factory=lambda: defaultdict(list))
     batches: dict[str, list[tuple[str, LogEvent]]] = field(default_factory=lambda: defaultdict(list))
     sample_versions: dict[tuple[str, str], set[int]] = field(default_factory=dict)
+    unreceived: list[tuple[LogEvent, str, str, int]] = field(default_factory=list)
+    """(item, engine, policy, version) served but not applied yet: settled when its millisecond is over."""
 
     def add(self, kind: Kind, message: str, ids: dict[str, Any], *entries: str) -> None:
         self.violations.append(Violation(kind, message, ids, list(entries)))
@@ -88,8 +92,23 @@ class _Check:
         if prev is None or version >= prev[0]:
             self.last[key] = (version, _ref(item))
 
+    def settle(self, before_ms: int | None = None, engine: str | None = None) -> None:
+        """Report the served versions still not applied: of milliseconds before ``before_ms`` (None: all),
+        of ``engine`` (None: every engine)."""
+        keep: list[tuple[LogEvent, str, str, int]] = []
+        for item, engine_id, policy, version in self.unreceived:
+            if (before_ms is not None and item.ms >= before_ms) or (engine is not None and engine_id != engine):
+                keep.append((item, engine_id, policy, version))
+            elif version not in self.applied[(engine_id, policy)]:
+                self.add("version_not_received",
+                         f"engine {engine_id} served version {version} of policy {policy!r}, never applied to it",
+                         {"engine_id": engine_id, "policy": policy, "version": version}, _ref(item))
+        self.unreceived = keep
+
     def event(self, item: LogEvent) -> None:
         ev = item.event
+        if self.unreceived:
+            self.settle(item.ms)
         if isinstance(ev, s.WeightsPublished):
             self.monotonic(("published", ev.policy), ev.version, item, f"published version of {ev.policy!r}",
                            {"policy": ev.policy})
@@ -101,6 +120,7 @@ class _Check:
                            f"version of {ev.policy!r} applied on engine {ev.engine_id}", {"policy": ev.policy, **ids})
             self.applied[(ev.engine_id, ev.policy)].setdefault(ev.version, _ref(item))
         elif isinstance(ev, s.EngineLaunching):  # a new process: it holds only its launch weights
+            self.settle(engine=ev.engine_id)  # what the old process served, by what the old process received
             for key in [k for k in self.applied if k[0] == ev.engine_id]:
                 del self.applied[key]
         elif isinstance(ev, s.EngineServing):
@@ -108,9 +128,7 @@ class _Check:
                 what = f"engine {ev.engine_id} served"
                 if (self.need_published(item, policy, version, what, engine_id=ev.engine_id)
                         and version not in self.applied[(ev.engine_id, policy)] and not self.is_base(version)):
-                    self.add("version_not_received",
-                             f"{what} version {version} of policy {policy!r}, never applied to it",
-                             {"engine_id": ev.engine_id, "policy": policy, "version": version}, _ref(item))
+                    self.unreceived.append((item, ev.engine_id, policy, version))
         elif isinstance(ev, s.WeightVersionServing):
             self.need_published(item, ev.policy, ev.version, "policy announced serving")
             self.monotonic(("serving", ev.policy), ev.version, item, f"serving version of {ev.policy!r}",
@@ -125,6 +143,7 @@ class _Check:
             self.completed[ev.request_id].append((ev.batch_id, item))
 
     def finish(self) -> list[Violation]:
+        self.settle()
         for request_id, batches in self.batches.items():
             if len(batches) > 1:
                 ids = sorted({b for b, _ in batches})

@@ -5,6 +5,9 @@
     python scripts/replay.py timeline run.rblog [--at-ms MS] [--json]      # or --live instead of a file
     python scripts/replay.py verify run.rblog [--base-version 0 | --strict] [--json]
     python scripts/replay.py feed run.rblog [--policy p0] [--limit N]
+    python scripts/replay.py hold --policy p0 [--release]   # before a run: keep its batch payloads for export
+
+Retraining from a log is ``scripts/trainer.py offline --log run.rblog ...`` (``trainer.offline``).
 
 ``--redis-url`` (default ``$REDIS_URL``) and ``--namespace`` (default
 ``$ROLLOUT_BUS_NAMESPACE`` or ``default``) name the live side. ``verify`` exits 1 when it
@@ -95,6 +98,13 @@ def parser() -> argparse.ArgumentParser:
     fe.add_argument("log")
     fe.add_argument("--policy", help="only this policy's batches")
     fe.add_argument("--limit", type=int, default=0, help="stop after N batches (0: all)")
+
+    ho = sub.add_parser("hold", help="keep the policies' batch payloads after the trainers release them, "
+                                     "so that an export can include them (before the run)")
+    ho.add_argument("--policy", action="append", required=True, help="repeat for several policies")
+    ho.add_argument("--group", default=None, help="the holding group (default log-export)")
+    ho.add_argument("--release", action="store_true", help="let go of what the group holds and drop it")
+    _live_args(ho)
     return p
 
 
@@ -134,7 +144,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         rng = Range.by_time(args.since_ms, args.until_ms)
     streams = resolve_streams(keys, args.stream) if args.stream else None
     payloads = None if args.no_payloads else payload_store(client, keys, store=args.payload_store)
-    stats = export_log(client, keys, args.out, streams=streams, rng=rng, payloads=payloads)
+    try:
+        stats = export_log(client, keys, args.out, streams=streams, rng=rng, payloads=payloads)
+    finally:
+        if payloads is not None:
+            payloads.close()
+        client.close()
     print(json.dumps({"out": args.out, "entries": stats.entries, "payloads": stats.payloads,
                       "payload_bytes": stats.payload_bytes, "missing_payloads": stats.missing_payloads}))
     return 0
@@ -150,8 +165,13 @@ def cmd_import(args: argparse.Namespace) -> int:
     client = connect(args.redis_url)
     payloads = None if args.no_payloads else payload_store(client, keys, store=args.payload_store,
                                                            ttl_s=args.payload_ttl_s)
-    stats = import_log(client, keys, args.log, payloads=payloads, streams=args.stream,
-                       restore_groups=args.restore_groups, allow_truncated=args.allow_truncated)
+    try:
+        stats = import_log(client, keys, args.log, payloads=payloads, streams=args.stream,
+                           restore_groups=args.restore_groups, allow_truncated=args.allow_truncated)
+    finally:
+        if payloads is not None:
+            payloads.close()
+        client.close()
     print(json.dumps({"namespace": keys.namespace, "entries": stats.entries, "ids_preserved": stats.ids_preserved,
                       "skipped": stats.skipped, "payloads": stats.payloads, "rewritten_refs": stats.rewritten_refs,
                       "groups": stats.groups}))
@@ -200,8 +220,28 @@ def cmd_feed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hold(args: argparse.Namespace) -> int:
+    from events.connection import connect
+    from events.logexport import HOLD_GROUP, hold_payloads, release_payloads
+    from events.names import Keys
+
+    keys = Keys(args.namespace)
+    group = args.group or HOLD_GROUP
+    client = connect(args.redis_url)
+    try:
+        if args.release:
+            deleted = release_payloads(client, keys, args.policy, group=group)
+            print(json.dumps({"released": args.policy, "group": group, "deleted_payloads": deleted}))
+        else:
+            hold_payloads(client, keys, args.policy, group=group)
+            print(json.dumps({"held": args.policy, "group": group}))
+    finally:
+        client.close()
+    return 0
+
+
 COMMANDS = {"export": cmd_export, "import": cmd_import, "timeline": cmd_timeline, "verify": cmd_verify,
-            "feed": cmd_feed}
+            "feed": cmd_feed, "hold": cmd_hold}
 
 
 def main(argv: list[str] | None = None) -> int:

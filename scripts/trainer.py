@@ -1,7 +1,14 @@
-"""Run one trainer, or a recorder beside one: ``python scripts/trainer.py [train|record] ...``.
+"""Run one trainer, or a recorder beside one: ``python scripts/trainer.py [train|record|offline] ...``.
 
 ``train`` (the default) runs the reference GRPO trainer of one policy; ``record`` runs a
-passive subscriber that writes the policy's batches to a directory. Flags are parsed
+passive subscriber that writes the policy's batches to a directory; ``offline`` retrains
+from the batches of an exported log (``scripts/replay.py export``), without engines or
+Redis, deterministically (``trainer.offline``)::
+
+    python scripts/trainer.py offline --log run.rblog --policy p0 --model-path INIT [--steps N] [--out DIR]
+
+It prints one JSON line (batch ids in training order, final metrics, the weights' sha256)
+and, with ``--out``, writes ``batch_ids.txt``, ``result.json`` and ``model/``. Flags are parsed
 before torch or Redis clients are imported, so ``--help`` is instant. SIGTERM or SIGINT
 stops at once; the checkpoint written after every step is what a restart resumes from.
 """
@@ -16,7 +23,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.offline import OfflineConfig
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,7 +43,7 @@ from trainer.config import (  # noqa: E402  (light: dataclasses only)
     TrainerConfig,
 )
 
-COMMANDS = ("train", "record")
+COMMANDS = ("train", "record", "offline")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -81,13 +91,34 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dp-size", type=int, default=1)
     t.add_argument("--dp-strategy", choices=DP_STRATEGIES, default="shared-group")
     t.add_argument("--torch-threads", type=int, default=1)
-    t.add_argument("--metrics-port", type=int, default=None)
+    t.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics on this port (0: any free one; default: off)")
     r = sub.add_parser("record", help="a passive recorder of one policy's batches")
     _common(r)
     r.add_argument("--out", required=True, help="directory for <batch_id>.safetensors and index.jsonl")
     r.add_argument("--name", default="recorder", help="consumer group")
     r.add_argument("--start", default="0", help="where a new group starts: 0 (all retained) or $ (new only)")
     r.add_argument("--max-batches", type=int, default=None)
+    o = sub.add_parser("offline", help="retrain from an exported log's batches (no engines, no Redis)")
+    o.add_argument("--log", required=True, help="a log file written by scripts/replay.py export (with payloads)")
+    o.add_argument("--policy", required=True, help="train on this policy's batches")
+    o.add_argument("--model-path", required=True, help="initial weights (config.json + model.safetensors)")
+    o.add_argument("--steps", type=int, default=0, help="stop after N steps (0: every batch of the log)")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--out", default=None, help="write batch_ids.txt, result.json and model/ here")
+    o.add_argument("--initial-version", type=int, default=0)
+    o.add_argument("--max-staleness", type=int, default=None,
+                   help="leave out groups more than this many versions behind (default: train every sample)")
+    o.add_argument("--trained-only", action="store_true",
+                   help="only the batches a trainer of the log accepted (its BatchConsumed events)")
+    o.add_argument("--lr", type=float, default=5e-4)
+    o.add_argument("--epochs", type=int, default=1)
+    o.add_argument("--minibatches", type=int, default=1)
+    o.add_argument("--tis-cap", type=float, default=2.0)
+    o.add_argument("--ppo-clip", type=float, default=0.2, help="<= 0 turns the PPO clip off")
+    o.add_argument("--torch-threads", type=int, default=1, help="more than 1 may cost bit-exact reproducibility")
+    o.add_argument("--allow-truncated", action="store_true", help="read a log without its end record")
+    o.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
@@ -166,12 +197,46 @@ def run_recorder(ns: argparse.Namespace) -> int:
     return 0
 
 
+def offline_config(ns: argparse.Namespace) -> OfflineConfig:
+    from trainer.offline import OfflineConfig
+
+    return OfflineConfig(
+        log=ns.log, model_path=ns.model_path, policy=ns.policy, steps=ns.steps, seed=ns.seed,
+        initial_version=ns.initial_version, max_staleness=ns.max_staleness, trained_only=ns.trained_only,
+        torch_threads=ns.torch_threads, allow_truncated=ns.allow_truncated,
+        optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),
+        loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None),
+    ).validate()
+
+
+def run_offline(ns: argparse.Namespace) -> int:
+    from trainer.config import ConfigError
+
+    try:
+        config = offline_config(ns)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+    from trainer.offline import run_offline as train_offline
+    from trainer.offline import write_outputs
+
+    result, model = train_offline(config)
+    out = str(write_outputs(result, model, ns.out)) if ns.out else None
+    print(json.dumps({"log": result.log, "policy": result.policy, "steps": len(result.batch_ids),
+                      "batch_ids": result.batch_ids, "skipped": result.skipped, "version": result.version,
+                      "weights_sha256": result.weights_sha256,
+                      "final_metrics": result.to_dict()["final_metrics"], "out": out}, sort_keys=True))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse(argv)
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     if ns.command == "record":
         return run_recorder(ns)
+    if ns.command == "offline":
+        return run_offline(ns)
     return run_trainer(ns)
 
 
