@@ -5,12 +5,15 @@ through one stream and one consumer group. Two paths, alternated within one run:
 
 - bare:    ``XADD`` per event; ``XREADGROUP COUNT c`` then one ``XACK`` per batch read;
 - project: ``events.publish.Publisher.publish`` per event (typed event, msgpack, idempotent
-           Lua publish) and ``events.consume.Consumer.run`` (read, decode, handle, ack).
+           Lua publish) and ``events.consume.Consumer.run`` (read, decode, handle, ack);
+- many:    as project, but ``Publisher.publish_many`` sends ``--batch`` events (each still
+           deduplicated) per round trip. The bare loop stays one serial XADD per event, so
+           many / bare is not like for like: it shows what batching producers gain.
 
 Each event carries its send time (``time.time_ns``); the consumer takes the one-way latency
 when it has the decoded event in hand. Throughput is events / (last receive - first send).
 
-    python bench/bench_events.py [--n 10000] [--reps 5] [--size 1024] [--count 64]
+    python bench/bench_events.py [--n 10000] [--reps 5] [--size 1024] [--count 64] [--batch 16]
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Job:
     n: int
     size: int
     count: int
+    batch: int = 16
 
 
 # --- the two paths ------------------------------------------------------------------------
@@ -87,6 +91,21 @@ def publish_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
     t0 = time.time_ns()
     for _ in range(job.n):
         pub.publish(job.stream, BenchTick(producer=PRODUCER, sent_ns=time.time_ns(), data=blob))
+    out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
+
+
+def publish_project_many(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    client = connect(job.url)
+    pub = Publisher(client, Keys(job.namespace), PRODUCER)
+    blob = bytes(job.size)
+    pub.publish(job.stream + ":warmup", BenchTick(producer=PRODUCER, sent_ns=0, data=b""))  # loads the script
+    ready.set()
+    go.wait()
+    cpu0 = time.process_time()
+    t0 = time.time_ns()
+    for start in range(0, job.n, job.batch):
+        pub.publish_many(job.stream, [BenchTick(producer=PRODUCER, sent_ns=time.time_ns(), data=blob)
+                                      for _ in range(min(job.batch, job.n - start))])
     out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
 
 
@@ -130,7 +149,8 @@ def consume_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
     out.put(("sub", time.time_ns(), lat, time.process_time() - cpu0))
 
 
-PATHS = {"bare": (publish_bare, consume_bare), "project": (publish_project, consume_project)}
+PATHS = {"bare": (publish_bare, consume_bare), "project": (publish_project, consume_project),
+         "many": (publish_project_many, consume_project)}
 
 
 # --- one run ------------------------------------------------------------------------------------
@@ -144,6 +164,10 @@ class Result:
     pub_cpu_us: float  # CPU time per event of the publisher process, the consumer process, redis-server
     sub_cpu_us: float
     server_cpu_us: float
+
+    @property
+    def total_cpu_us(self) -> float:
+        return self.pub_cpu_us + self.sub_cpu_us + self.server_cpu_us
 
 
 def process_cpu_s(pid: int) -> float:
@@ -203,18 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="runs of each path, alternated")
     p.add_argument("--size", type=int, default=1024, help="payload bytes per event")
     p.add_argument("--count", type=int, default=64, help="XREADGROUP COUNT of both consumers")
+    p.add_argument("--batch", type=int, default=16, help="events per publish_many call of the 'many' path")
     args = p.parse_args(argv)
 
     bare_bytes, project_bytes = wire_sizes(args.size)
     print(f"{args.n} events x {args.reps} reps per path; payload {args.size} B "
           f"(on the wire: bare {bare_bytes} B, project {project_bytes} B); XREADGROUP COUNT {args.count}")
-    results: dict[str, list[Result]] = {"bare": [], "project": []}
+    results: dict[str, list[Result]] = {"bare": [], "project": [], "many": []}
     with RedisServer() as server:
         for rep in range(args.reps):
-            order = ["bare", "project"] if rep % 2 == 0 else ["project", "bare"]
+            order = ["bare", "project", "many"] if rep % 2 == 0 else ["many", "project", "bare"]
             for path in order:
                 job = Job(path, server.url, "bench", f"rb:{{bench}}:stream:bench-{rep}-{path}", args.n,
-                          args.size, args.count)
+                          args.size, args.count, args.batch)
                 assert server.proc is not None
                 r = run_once(job, server.proc.pid)
                 results[path].append(r)
@@ -226,12 +251,16 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(getattr(r, attr) for r in results[path])
 
     print("medians:")
-    for path in ("bare", "project"):
+    for path in ("bare", "project", "many"):
         print(f"  {path:8s} {med(path, 'rate'):9,.0f} msg/s   p50 {med(path, 'p50_ms'):6.3f} ms   "
               f"p99 {med(path, 'p99_ms'):6.3f} ms   cpu/event us: pub {med(path, 'pub_cpu_us'):5.1f} "
-              f"sub {med(path, 'sub_cpu_us'):5.1f} redis {med(path, 'server_cpu_us'):5.1f}")
+              f"sub {med(path, 'sub_cpu_us'):5.1f} redis {med(path, 'server_cpu_us'):5.1f} "
+              f"sum {med(path, 'total_cpu_us'):5.1f}")
     ratio = med("project", "rate") / med("bare", "rate")
     print(f"project / bare throughput: {ratio:.2f} (target >= 0.90): {'OK' if ratio >= 0.9 else 'BELOW TARGET'}")
+    many = med("many", "rate") / med("bare", "rate")
+    print(f"many (publish_many x{args.batch}) / bare (serial XADD) throughput: {many:.2f} "
+          "(batched vs serial publishing: not like for like)")
     return 0
 
 

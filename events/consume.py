@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import redis
 
-from events.connection import Guard, is_busygroup
+from events.connection import Guard, Lane, is_busygroup, pack
 from events.errors import DecodeError, RedisCommandError
 from events.names import Keys
 from events.schema import Event, decode
@@ -72,6 +72,7 @@ class Consumer:
         self.config = config or ConsumerConfig()
         self.guard = guard or Guard(client, name=f"consumer {group}/{name}")
         self.decoder = decoder
+        self._lane = Lane(client)  # reads and acks go out packed on a kept connection
         self._recovering = True
         self._recover_from = "0"
         self._outages_seen = self.guard.outages
@@ -137,6 +138,8 @@ class Consumer:
 
     def _xreadgroup(self, start: str, count: int, block_ms: int | None) -> list[tuple[Any, Any]]:
         block = block_ms if block_ms else None  # BLOCK 0 would wait forever and never see a stop request
+        if self._lane.direct:
+            return self._xreadgroup_direct(start, count, block)
         reply = self._call_with_acks(lambda c: c.xreadgroup(
             self.group, self.name, {self.stream: start}, count=count, block=block))
         if not reply:
@@ -144,6 +147,21 @@ class Consumer:
         if isinstance(reply, dict):  # RESP3 shape: {stream: [[id, fields], ...]}
             return [(e[0], e[1]) for entries in reply.values() for e in entries]
         return [(e[0], e[1]) for e in reply[0][1]]
+
+    def _xreadgroup_direct(self, start: str, count: int, block: int | None) -> list[tuple[Any, Any]]:
+        """``_xreadgroup`` on the lane: the pending acks (XACK first) and the read in one packed send."""
+        if block is None:
+            packed = pack("XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, "STREAMS", self.stream, start)
+        else:
+            packed = pack("XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, "BLOCK", block,
+                          "STREAMS", self.stream, start)
+        acks = self._unacked
+        if acks:
+            packed = pack("XACK", self.stream, self.group, *acks) + packed
+        replies = self.guard.call(lambda c: _raise_errors(self._lane.execute(packed, 2 if acks else 1)))
+        if acks:
+            self._unacked = []
+        return _stream_entries(replies[-1])
 
     def _autoclaim(self, count: int) -> list[tuple[Any, Any]]:
         """Take over entries idle for ``claim_idle_ms``, resuming the scan where the last one stopped.
@@ -222,7 +240,12 @@ class Consumer:
 
     # --- acknowledging ------------------------------------------------------------------
     def ack(self, *ids: str) -> None:
-        if ids:
+        if not ids:
+            return
+        if self._lane.direct:
+            packed = pack("XACK", self.stream, self.group, *ids)
+            self.guard.call(lambda c: _raise_errors(self._lane.execute(packed)))
+        else:
             self.guard.call(lambda c: c.xack(self.stream, self.group, *ids))
 
     def flush_acks(self) -> None:
@@ -312,6 +335,29 @@ def dead_letter_fields(stream: str, group: str, consumer: str, entry_id: str, fi
         b"entry_id": entry_id.encode(), b"reason": reason.encode(), b"deliveries": str(deliveries).encode(),
         b"raw": raw, b"ts_ms": str(time.time_ns() // 1_000_000).encode(),
     }
+
+
+def _raise_errors(replies: list[Any]) -> list[Any]:
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+    return replies
+
+
+def _stream_entries(reply: Any) -> list[tuple[Any, Any]]:
+    """(id, fields) of each entry of a raw XREADGROUP reply of one stream; fields as a map, ``{}`` when trimmed."""
+    if not reply:
+        return []
+    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]  # RESP3 map, RESP2 array
+    out: list[tuple[Any, Any]] = []
+    for entry_id, flat in entries:
+        if not flat:  # nil: trimmed while pending
+            out.append((entry_id, {}))
+        elif len(flat) == 2:
+            out.append((entry_id, {flat[0]: flat[1]}))
+        else:
+            out.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+    return out
 
 
 def _s(value: Any) -> str:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
 from redis.exceptions import NoScriptError
 
-from events.connection import Guard
+from events.connection import Guard, Lane, pack
 from events.names import Keys
-from events.schema import FIELD, Event, Producer, encode
+from events.schema import FIELD, Event, Producer, encode_bytes
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,16 @@ end
 return id
 """
 
+_Call = tuple[Sequence[Any], Sequence[Any]]  # (script keys, script args) of one EVALSHA
+
 
 class Publisher:
     """Appends events to streams; a repeated idempotency key never adds a second entry.
 
-    One round trip per event: ``EVALSHA`` of the publish script (loaded again if the server
-    lost its script cache, e.g. after a restart).
+    One round trip per event (``publish``) or per batch of events (``publish_many``):
+    ``EVALSHA`` of the publish script, loaded again if the server lost its script cache
+    (e.g. after a restart). The commands go out already packed on a connection the
+    publisher keeps (``events.connection.Lane``); ``close`` gives it back to the pool.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, producer: Producer, *,
@@ -49,14 +54,35 @@ class Publisher:
         self.dedupe_ttl_s = dedupe_ttl_s
         self.guard = guard or Guard(client, name=f"publisher {producer}")
         self._script = client.register_script(_PUBLISH)
+        self._lane = Lane(client)
         self._dedupe_prefix: dict[str, str] = {}
 
     def publish(self, stream: str, event: Event, *, idempotency_key: str | None = None,
                 maxlen: int = 0) -> str:
         """Append ``event``; the idempotency key defaults to the event id, so a retry is safe."""
-        fields = encode(event)
-        return self._publish([stream, self._dedupe_key(stream, idempotency_key or event.event_id)],
-                             [self.dedupe_ttl_s, maxlen, FIELD, fields[FIELD]])
+        raw = encode_bytes(event)
+        call = ((stream, self._dedupe_key(stream, idempotency_key or event.event_id)),
+                (self.dedupe_ttl_s, maxlen, FIELD, raw))
+        return self._run([call])[0]
+
+    def publish_many(self, stream: str, events: Iterable[Event], *,
+                     idempotency_keys: Sequence[str | None] | None = None, maxlen: int = 0) -> list[str]:
+        """Append ``events`` in order, in one round trip; each is deduplicated as by ``publish``.
+
+        Returns the entry ids in the order of ``events`` (an event whose key was seen before
+        gets the existing entry's id). The publishes are independent, not a transaction: after
+        an error some may have been appended, and calling again with the same events (or keys)
+        appends only the rest.
+        """
+        events = list(events)
+        if idempotency_keys is not None and len(idempotency_keys) != len(events):
+            raise ValueError(f"{len(idempotency_keys)} idempotency keys for {len(events)} events")
+        calls: list[_Call] = []
+        for i, event in enumerate(events):
+            key = idempotency_keys[i] if idempotency_keys is not None else None
+            calls.append(((stream, self._dedupe_key(stream, key or event.event_id)),
+                          (self.dedupe_ttl_s, maxlen, FIELD, encode_bytes(event))))
+        return self._run(calls) if calls else []
 
     def publish_fields(self, stream: str, fields: dict[bytes, bytes], *, idempotency_key: str | None = None,
                        maxlen: int = 0) -> str:
@@ -65,7 +91,11 @@ class Publisher:
         args: list[Any] = [self.dedupe_ttl_s, maxlen]
         for k, v in fields.items():
             args += [k, v]
-        return self._publish(script_keys, args)
+        return self._run([(script_keys, args)])[0]
+
+    def close(self) -> None:
+        """Give the publisher's connection back to the client's pool (a later publish takes one again)."""
+        self._lane.close()
 
     def _dedupe_key(self, stream: str, key: str) -> str:
         prefix = self._dedupe_prefix.get(stream)
@@ -73,13 +103,32 @@ class Publisher:
             prefix = self._dedupe_prefix[stream] = self.keys.dedupe(stream, "")
         return prefix + key
 
-    def _publish(self, script_keys: list[str], args: list[Any]) -> str:
-        entry_id = self.guard.call(lambda c: self._evalsha(c, script_keys, args))
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    def _run(self, calls: list[_Call]) -> list[str]:
+        replies = self.guard.call(lambda c: self._evalsha(c, calls))
+        return [r.decode() if isinstance(r, bytes) else str(r) for r in replies]
 
-    def _evalsha(self, c: redis.Redis, script_keys: list[str], args: list[Any]) -> Any:
+    def _evalsha(self, c: redis.Redis, calls: list[_Call]) -> list[Any]:
+        if not self._lane.direct:  # e.g. a single-connection client: its own commands, one by one
+            return [self._evalsha_client(c, script_keys, args) for script_keys, args in calls]
+        replies = self._send(calls)
+        if any(isinstance(r, NoScriptError) for r in replies):  # a restarted or flushed server: empty cache
+            self._script.sha = c.script_load(self._script.script)
+            redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            for i, reply in zip(redo, self._send([calls[i] for i in redo]), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return replies
+
+    def _send(self, calls: list[_Call]) -> list[Any]:
+        sha = self._script.sha
+        packed = b"".join(pack("EVALSHA", sha, len(script_keys), *script_keys, *args) for script_keys, args in calls)
+        return self._lane.execute(packed, len(calls))
+
+    def _evalsha_client(self, c: redis.Redis, script_keys: Sequence[Any], args: Sequence[Any]) -> Any:
         try:
             return c.execute_command("EVALSHA", self._script.sha, len(script_keys), *script_keys, *args)
-        except NoScriptError:  # a restarted or flushed server has an empty script cache
+        except NoScriptError:
             self._script.sha = c.script_load(self._script.script)
             return c.execute_command("EVALSHA", self._script.sha, len(script_keys), *script_keys, *args)

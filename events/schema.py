@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import types
 import typing
@@ -281,11 +282,27 @@ def event_types() -> dict[str, type[Event]]:
 
 def encode(event: Event) -> dict[bytes, bytes]:
     """Stream fields for ``event``; ``InvalidRequest`` when it is too large for any consumer to accept."""
-    raw = msgpack.packb(event.to_dict(), use_bin_type=True)
+    return {FIELD: encode_bytes(event)}
+
+
+_PACKERS = threading.local()
+
+
+def encode_bytes(event: Event) -> bytes:
+    """The value of the ``FIELD`` stream field for ``event`` (see ``encode``)."""
+    try:
+        packer = _PACKERS.packer
+    except AttributeError:  # one Packer per thread, reused: ``packb`` builds (and frees) one per call
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
+    try:
+        raw: bytes = packer.pack(event.to_dict())
+    except BaseException:
+        packer.reset()  # a failed pack may leave a partial buffer behind
+        raise
     if len(raw) > MAX_EVENT_BYTES:
         raise InvalidRequest(f"{event.type} of {len(raw)} bytes exceeds the {MAX_EVENT_BYTES}-byte event limit; "
                              "put large data in the payload store and send a reference")
-    return {FIELD: raw}
+    return raw
 
 
 def decode(fields: Any) -> Event:

@@ -245,3 +245,12 @@ def test_entries_handled_but_not_yet_acked_are_never_claimed_again(fake_client: 
     assert c.run_until_idle(lambda m: seen.append(m.id)) == 9
     assert seen == ids
     assert pending(fake_client, keys) == 0
+
+
+def test_raw_stream_replies_of_both_protocols_become_entries_with_field_maps() -> None:
+    from events.consume import _stream_entries
+    resp2 = [[b"s", [[b"1-0", [b"e", b"x"]], [b"2-0", None], [b"3-0", [b"a", b"1", b"b", b"2"]]]]]
+    expected = [(b"1-0", {b"e": b"x"}), (b"2-0", {}), (b"3-0", {b"a": b"1", b"b": b"2"})]
+    assert _stream_entries(resp2) == expected
+    assert _stream_entries({b"s": resp2[0][1]}) == expected
+    assert _stream_entries(None) == [] and _stream_entries([]) == []

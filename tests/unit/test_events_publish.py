@@ -63,3 +63,70 @@ def test_maxlen_caps_the_stream(fake_client: redis.Redis, keys: Keys) -> None:
     for _ in range(30):
         pub.publish(keys.engine_stream, ready(), maxlen=5)
     assert 5 <= fake_client.xlen(keys.engine_stream) < 30
+
+
+def test_publish_many_dedupes_each_event_and_returns_ids_in_order(fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER)
+    events = [ready(f"e{i}") for i in range(5)]
+    ids = pub.publish_many(keys.engine_stream, events)
+    assert [e[0].decode() for e in fake_client.xrange(keys.engine_stream)] == ids
+    assert [decode(e[1]).engine_id for e in fake_client.xrange(keys.engine_stream)] == [  # type: ignore[attr-defined]
+        f"e{i}" for i in range(5)]
+    assert pub.publish_many(keys.engine_stream, events[2:] + [ready("new")])[:3] == ids[2:]  # a retry adds only the new
+    assert pub.publish(keys.engine_stream, events[0]) == ids[0]
+    assert fake_client.xlen(keys.engine_stream) == 6
+    assert pub.publish_many(keys.engine_stream, []) == []
+
+
+def test_publish_many_with_explicit_keys_dedupes_within_the_batch(fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER)
+    ids = pub.publish_many(keys.engine_stream, [ready("a"), ready("b"), ready("c")], idempotency_keys=["k1", "k1", None])
+    assert ids[0] == ids[1] != ids[2]
+    assert fake_client.xlen(keys.engine_stream) == 2
+
+
+def test_publishing_reloads_the_script_after_the_server_lost_it(fake_client: redis.Redis, keys: Keys) -> None:
+    pub = Publisher(fake_client, keys, PRODUCER)
+    fake_client.script_flush()
+    first = pub.publish(keys.engine_stream, ready(), idempotency_key="k")
+    fake_client.script_flush()
+    assert pub.publish_many(keys.engine_stream, [ready(), ready()], idempotency_keys=["k", "k2"])[0] == first
+    assert fake_client.xlen(keys.engine_stream) == 2
+
+
+def test_a_publisher_keeps_one_connection_and_gives_it_back(fake_client: redis.Redis, keys: Keys) -> None:
+    pool = fake_client.connection_pool
+    pub = Publisher(fake_client, keys, PRODUCER)
+    for _ in range(3):
+        pub.publish(keys.engine_stream, ready())
+    assert len(pool._in_use_connections) == 1  # type: ignore[attr-defined]
+    pub.close()
+    assert len(pool._in_use_connections) == 0  # type: ignore[attr-defined]
+    pub.publish(keys.engine_stream, ready())  # takes one again
+    del pub  # a dropped publisher gives its connection back too
+    assert len(pool._in_use_connections) == 0  # type: ignore[attr-defined]
+
+
+class Wrapped:
+    """A client behind a wrapper: the publisher uses the wrapper's commands, not a connection of its own."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.commands: list[str] = []
+
+    def execute_command(self, *args: object) -> object:
+        self.commands.append(str(args[0]))
+        return self.client.execute_command(*args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.client, name)
+
+
+def test_a_wrapped_client_goes_through_its_own_commands(fake_client: redis.Redis, keys: Keys) -> None:
+    wrapped = Wrapped(fake_client)
+    pub = Publisher(wrapped, keys, PRODUCER)  # type: ignore[arg-type]
+    event = ready()
+    ids = pub.publish_many(keys.engine_stream, [event, event])
+    assert ids[0] == ids[1] == pub.publish(keys.engine_stream, event)
+    assert set(wrapped.commands) == {"EVALSHA"}  # the first one also finds the script not loaded yet
+    assert fake_client.xlen(keys.engine_stream) == 1
