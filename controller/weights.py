@@ -10,7 +10,6 @@ shapes differ from the reference model's. Shapes are read from the safetensors h
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from pathlib import Path
@@ -18,6 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 from controller.versions import Target
 from events.errors import Failure
+from lm.files import sha256_file
 
 WEIGHTS_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20
@@ -44,14 +44,6 @@ def uri_path(uri: str) -> Path:
 def weights_file(path: Path) -> Path:
     """The safetensors file meant by ``path``: the file itself or ``model.safetensors`` inside it."""
     return path if path.suffix == ".safetensors" else path / WEIGHTS_FILE
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_shapes(path: Path) -> Shapes:

@@ -10,7 +10,6 @@ says so), up to a timeout.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import time
@@ -24,6 +23,7 @@ from events.names import Keys
 from events.publish import Publisher
 from events.registry import Registry
 from events.schema import Producer, WeightsPublished, WeightUpdateFailed, WeightVersionServing, decode
+from lm.files import sha256_file
 from lm.model import TinyLM, save_weights
 
 log = logging.getLogger(__name__)
@@ -31,14 +31,6 @@ log = logging.getLogger(__name__)
 
 def version_dir(weights_root: str | Path, policy: str, version: int) -> Path:
     return Path(weights_root) / policy / f"v{version:06d}"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass
