@@ -2,7 +2,9 @@
 
 Each ``ControllerMetrics`` owns its ``CollectorRegistry`` (no process-global state, so
 several controllers, in tests or side by side, never collide on metric names).
-``serve(port)`` exposes them on ``/metrics``.
+``serve(port)`` exposes them on ``/metrics``: engines per state, the latency of each
+health check (by outcome) and of each sweep, the duration of each weight update over
+all serving engines (by policy and outcome), weight-update failures, engine restarts.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class ControllerMetrics:
         self._server: Any = None
         for state in EngineState:
             self.engine_states.labels(state.value).set(0)
+        for outcome in ("ok", "failed"):  # exported from the start, at 0
+            self.health_check_seconds.labels(outcome)
 
     def set_states(self, states: Iterable[EngineState]) -> None:
         counts = Tally(states)

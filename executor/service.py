@@ -169,6 +169,7 @@ class ExecutorService:
             producer=self.producer, policy=request.policy, rollout_id=request.rollout_id,
             request_id=request.request_id, executor=self.name, attempt=attempt),
             idempotency_key=f"{request.request_id}:started:{attempt}")
+        self.metrics.started.inc()
         if not request.eval and parts.sink.published(request):
             log.info("request %s: batch %s is already out (an earlier attempt); finishing up",
                      request.request_id, request.batch_id)
@@ -198,7 +199,7 @@ class ExecutorService:
         metrics = dict(outcome.metrics, wall_s=wall_s, engine_busy_s=timer.busy_s,
                        outside_engine_frac=max(0.0, 1.0 - timer.busy_s / wall_s) if wall_s > 0 else 0.0,
                        prepare_s=prepared - started, rollout_s=generated - prepared, publish_s=finished - generated)
-        self.metrics.job_done(metrics, n_samples)
+        self.metrics.job_done(metrics, n_samples, outcome.train_data)
         return self._completed(request, batch_id, n_samples, metrics, started, attempt)
 
     def _completed(self, request: RolloutRequest, batch_id: str, n_samples: int, metrics: dict[str, float],

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--update-timeout-s", type=float, default=d.update_timeout_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
-    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics on this port (0: any free one; default: off)")
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     f.add_argument("--reap-interval-s", type=float, default=2.0)
     f.add_argument("--worker-ttl-s", type=int, default=30)
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics on this port (0: any free one; default: off)")
     p.add_argument("--burst", action="store_true", help="drain the queues, then exit")
     p.add_argument("--max-jobs", type=int, default=None)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

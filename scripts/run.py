@@ -1,7 +1,7 @@
 """The main job: a whole async RL run on one machine, in one command.
 
 ``python scripts/run.py [--mode sync|one-step|async] [--trainers N] [--executors N]
-[--engines N] [--steps N] [--seed S] [--out DIR]``
+[--engines N] [--steps N] [--seed S] [--out DIR] [--metrics-base-port PORT]``
 
 Without ``REDIS_URL`` (or ``--redis-url``) it starts a private ``redis-server`` on a free
 port. It warm-starts the model briefly (supervised, noisy labels: the reward starts well
@@ -10,7 +10,10 @@ executors and one trainer per policy, each as a process through its ``scripts/``
 entrypoint, follows the trainers' events with a progress bar, prints a summary (reward
 before and after, steps/s and samples/s, staleness histogram), writes
 ``<out>/reward.png`` and ``<out>/summary.json``, and stops everything it started, by pid,
-on exit, on error and on Ctrl-C.
+on exit, on error and on Ctrl-C. With ``--metrics-base-port N`` every process serves
+Prometheus ``/metrics``: the controller on N, executor i on N+1+i, then the trainers, then
+a bus exporter (``scripts/status.py --serve-metrics``: consumer lag, pending, dead letters,
+rq queues); the URLs are printed at the start.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class RunConfig:
     # --- extras --------------------------------------------------------------------------------
     recorder: bool = False
     """Also run a recorder of the first policy's batches into ``<out>/recording``."""
+    metrics_base_port: int = 0
+    """First ``/metrics`` port (see ``metrics_ports``); 0: no process serves metrics."""
     trainer_args: list[str] = field(default_factory=list)
     timeout_s: float = 900.0
     progress: bool = True
@@ -78,6 +83,20 @@ class RunConfig:
 
     def policies(self) -> list[str]:
         return [f"p{i}" for i in range(self.trainers)]
+
+
+def metrics_ports(config: RunConfig) -> dict[str, int]:
+    """The ``/metrics`` port of each process, by name; empty when ``metrics_base_port`` is 0.
+
+    The controller on the base port, executor i on base+1+i, the trainer of policy j after
+    the executors, and the bus exporter (lag, pending, dead letters, queues) last.
+    """
+    base = config.metrics_base_port
+    if not base:
+        return {}
+    names = ["controller", *(f"executor-{i}" for i in range(config.executors)),
+             *(f"trainer-{p}" for p in config.policies()), "bus-metrics"]
+    return {name: base + k for k, name in enumerate(names)}
 
 
 @dataclass
@@ -126,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra scripts/trainer.py argument (repeatable), e.g. --trainer-arg=--tis-cap=3")
     x = p.add_argument_group("extras")
     x.add_argument("--recorder", action="store_true", help="record the first policy's batches")
+    x.add_argument("--metrics-base-port", type=int, default=d.metrics_base_port, metavar="PORT",
+                   help="serve /metrics: controller on PORT, executors on PORT+1.., then trainers, then the bus "
+                        "exporter (default 0: off)")
     x.add_argument("--timeout-s", type=float, default=d.timeout_s)
     x.add_argument("--no-progress", dest="progress", action="store_false")
     x.add_argument("--no-plot", dest="plot", action="store_false")
@@ -138,6 +160,9 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     config = RunConfig(**values)
     problems = [f"--{name} must be >= 1" for name in ("trainers", "executors", "engines", "steps")
                 if getattr(config, name) < 1]
+    n_ports = config.executors + config.trainers + 2
+    if config.metrics_base_port < 0 or (config.metrics_base_port and config.metrics_base_port + n_ports > 65536):
+        problems.append(f"--metrics-base-port must be 0 (off) or leave room for {n_ports} ports below 65536")
     if problems:
         raise SystemExit("; ".join(problems))
     return config
@@ -178,16 +203,24 @@ def run_job(config: RunConfig) -> RunResult:
         weights_root = out / "weights"
         weights_root.mkdir(exist_ok=True)
         policies = config.policies()
+        ports = metrics_ports(config)
+        if ports:
+            procs.start("bus-metrics", ["scripts/status.py", "--redis-url", url, "--namespace", namespace,
+                                        "--serve-metrics", str(ports["bus-metrics"])])
+            print("metrics:\n" + "\n".join(f"  {name:<12} http://127.0.0.1:{port}/metrics"
+                                            for name, port in ports.items()), flush=True)
         procs.start("controller", [
             "scripts/controller.py", "--redis-url", url, "--namespace", namespace,
             "--num-engines", str(config.engines), "--model-path", str(init), "--weights-root", str(weights_root),
             "--base-policy", policies[0], "--seed", str(config.seed), "--log-dir", str(out / "logs"),
             "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
-            "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}"])
+            "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
+            *_metrics_args(ports, "controller")])
         data_args = json.dumps({"digits": config.digits, "seed": config.seed})
         for i in range(config.executors):
             procs.start(f"executor-{i}", ["scripts/executor.py", "--redis-url", url, "--namespace", namespace,
-                                          "--index", str(i), "--data-source-args", data_args])
+                                          "--index", str(i), "--data-source-args", data_args,
+                                          *_metrics_args(ports, f"executor-{i}")])
         recorder = None
         if config.recorder:
             recorder = procs.start("recorder", ["scripts/trainer.py", "record", "--redis-url", url, "--namespace",
@@ -195,8 +228,9 @@ def run_job(config: RunConfig) -> RunResult:
                                                 str(out / "recording"), "--start", "0"])
             _wait_group(client, keys, policies[0], "recorder", recorder)
         # trainers wait for their policy to be served before they ask for rollouts: no need to wait here
-        trainers = [procs.start(f"trainer-{p}", _trainer_args(config, p, url, namespace, init, weights_root,
-                                                              out / "checkpoints" / p))
+        trainers = [procs.start(f"trainer-{p}", [*_trainer_args(config, p, url, namespace, init, weights_root,
+                                                                out / "checkpoints" / p),
+                                                 *_metrics_args(ports, f"trainer-{p}")])
                     for p in policies]
         runlog = _follow(config, client, keys, procs, trainers, started)
         if recorder is not None:
@@ -229,6 +263,10 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--in-flight", str(config.in_flight), "--max-staleness", str(config.max_staleness),
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
             "--minibatches", str(config.minibatches), *config.trainer_args]
+
+
+def _metrics_args(ports: dict[str, int], name: str) -> list[str]:
+    return ["--metrics-port", str(ports[name])] if name in ports else []
 
 
 def _wait_group(client: Any, keys: Any, policy: str, group: str, child: Any, timeout_s: float = 60.0) -> None:
