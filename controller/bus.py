@@ -19,8 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import redis
-
+from events.connection import Redis
 from events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
 from events.names import Keys
 from events.publish import Publisher
@@ -35,7 +34,7 @@ GROUP = "controller"
 
 
 class ControllerBus:
-    def __init__(self, client: redis.Redis, keys: Keys, producer: Producer, instance: str) -> None:
+    def __init__(self, client: Redis, keys: Keys, producer: Producer, instance: str) -> None:
         self.client = client
         self.keys = keys
         self.producer = producer

@@ -13,9 +13,7 @@ import os
 import socket
 import uuid
 
-import redis
-
-from events.connection import Guard
+from events.connection import Guard, Redis
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +38,7 @@ def owner_token(instance: str) -> str:
 
 
 class Lease:
-    def __init__(self, client: redis.Redis, key: str, owner: str, ttl_s: float,
+    def __init__(self, client: Redis, key: str, owner: str, ttl_s: float,
                  guard: Guard | None = None) -> None:
         self.client = client
         self.key = key

@@ -17,8 +17,6 @@ import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-import redis
-
 from controller.backends import ProcessHandle, make_backend, pid_alive
 from controller.bus import ControllerBus
 from controller.config import OFFLOAD_TAGS, ControllerConfig
@@ -32,6 +30,7 @@ from controller.updates import WeightUpdater
 from controller.versions import Target, engine_versions
 from controller.weights import BadWeights, verify
 from engine.http_client import EngineClient, EngineHTTPError, close_shared_session
+from events.connection import Redis
 from events.errors import InvalidRequest
 from events.names import Keys
 from events.registry import EngineState, PolicyRecord
@@ -62,7 +61,7 @@ class InferenceController:
     _loops: list[asyncio.Task[None]]
     _stopping: asyncio.Event | None
 
-    def __init__(self, config: ControllerConfig, client: redis.Redis, *,
+    def __init__(self, config: ControllerConfig, client: Redis, *,
                  metrics: ControllerMetrics | None = None) -> None:
         self.config = config.validate()
         keys = Keys(config.namespace)

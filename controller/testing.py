@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import redis
-
+from events.connection import Redis
 from events.names import Keys
 from events.publish import Publisher
 from events.schema import Event, Producer, WeightsPublished, decode
@@ -51,7 +50,7 @@ def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.
     return out_dir, file_sha256(out_dir / WEIGHTS_FILE)
 
 
-def publish_weights(client: redis.Redis, keys: Keys, policy: str, version: int, uri: str, sha256: str,
+def publish_weights(client: Redis, keys: Keys, policy: str, version: int, uri: str, sha256: str,
                     trainer: str = "test") -> WeightsPublished:
     event = WeightsPublished(producer=Producer("trainer", trainer), policy=policy, version=version, uri=uri,
                              sha256=sha256)
@@ -59,7 +58,7 @@ def publish_weights(client: redis.Redis, keys: Keys, policy: str, version: int, 
     return event
 
 
-def read_events(client: redis.Redis, stream: str) -> list[Event]:
+def read_events(client: Redis, stream: str) -> list[Event]:
     return [decode(fields) for _id, fields in client.xrange(stream) or []]
 
 

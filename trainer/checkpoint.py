@@ -112,7 +112,7 @@ class CheckpointStore:
     def load(self) -> Checkpoint | None:
         if not self.exists():
             return None
-        payload = torch.load(self.path, map_location="cpu", weights_only=False)
+        payload = torch.load(self.path, map_location="cpu", weights_only=True)
         state = TrainerState.from_dict(payload["state"])
         log.info("loaded checkpoint %s: step %d, version %d, %d trained batches", self.path, state.step,
                  state.version, len(state.trained))
