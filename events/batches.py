@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
-from events.connection import Guard
+from events.connection import Guard, as_str
 from events.errors import DecodeError, PayloadMissing
 from events.names import Keys, check_name
 from events.payload import make_store
@@ -119,7 +119,7 @@ class BatchChannel:
         encoded = encode(tensors, meta, max_bytes=self.max_bytes, defer_checksum=True)
         prev = self.guard.call(lambda c: self._reserve(keys=[dedupe, self.keys.payload_index], args=[ref], client=c))
         if prev:
-            return _s(prev)
+            return as_str(prev)
         reference = self.store.put(ref, encoded, self.payload_ttl_s)
         event = BatchReady(producer=self.publisher.producer, policy=policy, batch_id=batch_id,
                            rollout_id=rollout_id, request_id=request_id,
@@ -138,7 +138,7 @@ class BatchChannel:
             log.info("batch %s was published concurrently and already released; dropping the copy", ref)
             self.store.delete(reference)
             self.guard.call(lambda c: c.zrem(self.keys.payload_index, ref))
-        return _s(entry_id)
+        return as_str(entry_id)
 
     # --- consuming ---------------------------------------------------------------------
     def fetch(self, event: BatchReady, *, verify: bool = True) -> Batch:
@@ -188,7 +188,7 @@ class BatchChannel:
     def readers(self, ref: str) -> set[str]:
         """Groups that have yet to release ``ref``."""
         members = self.guard.call(lambda c: c.smembers(self.keys.payload_readers(ref)))
-        return {_s(m) for m in members}
+        return {as_str(m) for m in members}
 
     # --- housekeeping ------------------------------------------------------------------
     def sweep(self, max_age_s: float, *, limit: int = 1000) -> int:
@@ -200,7 +200,7 @@ class BatchChannel:
             refs = self.guard.call(lambda c: c.zrangebyscore(self.keys.payload_index, "-inf", cutoff_ms,
                                                               start=0, num=limit))
             for raw in refs:
-                ref = _s(raw)
+                ref = as_str(raw)
                 log.warning("sweeping payload %s: not released by every group within %.0fs", ref, max_age_s)
                 self.store.delete(self.store.locate(ref))
 
@@ -225,6 +225,3 @@ def _n_samples(tensors: Mapping[str, Any]) -> int:
         return int(shape[0]) if len(shape) else 1
     return 0
 
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,10 +1,12 @@
 """Connections to Redis and the boundary where driver errors become the project's own.
 
-``connect`` builds a client from ``REDIS_URL`` (``redis://`` or ``rediss://``, with
-username and password). ``Guard.call`` runs one Redis operation; when the server is
-unreachable it reconnects with bounded exponential backoff, logs once when the
+``connect`` builds a client from ``REDIS_URL`` (``redis://``, ``rediss://`` or
+``unix://``, with username and password). ``Guard.call`` runs one Redis operation; when the
+server is unreachable it reconnects with bounded exponential backoff, logs once when the
 connection is lost and once when it is back, and raises ``BusUnavailable`` when the
-budget is spent. Any other driver error becomes ``RedisCommandError``.
+budget is spent. Any other driver error becomes ``RedisCommandError``. ``Lane`` is a hot
+path's kept connection for commands it packs itself (``pack``); ``raise_errors`` and
+``as_str`` read what comes back.
 """
 
 from __future__ import annotations
@@ -206,6 +208,19 @@ def _exchange(conn: Any, packed: bytes, replies: int) -> list[Any]:
     finally:
         if conn.should_reconnect():
             conn.disconnect()
+
+
+def raise_errors(replies: list[Any]) -> list[Any]:
+    """``replies`` of ``Lane.execute`` as they are, or the first error reply among them raised."""
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+    return replies
+
+
+def as_str(value: Any) -> str:
+    """A reply value (an id, a name) as text: bytes decoded as UTF-8, anything else through ``str``."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def is_busygroup(exc: BaseException) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import redis
 
-from events.connection import Guard, Lane, is_busygroup, pack
+from events.connection import Guard, Lane, as_str, is_busygroup, pack, raise_errors
 from events.errors import DecodeError, RedisCommandError
 from events.names import Keys
 from events.schema import Event, decode
@@ -123,7 +123,7 @@ class Consumer:
             # (a consumer that acks after long work) are not handed out again
             raw = self._xreadgroup(self._recover_from, count, None)
             if raw:
-                self._recover_from = _s(raw[-1][0])
+                self._recover_from = as_str(raw[-1][0])
                 return self._accept(raw, pending=True)
             self._recovering = False
             self._recover_from = "0"
@@ -158,7 +158,7 @@ class Consumer:
         acks = self._unacked
         if acks:
             packed = pack("XACK", self.stream, self.group, *acks) + packed
-        replies = self.guard.call(lambda c: _raise_errors(self._lane.execute(packed, 2 if acks else 1)))
+        replies = self.guard.call(lambda c: raise_errors(self._lane.execute(packed, 2 if acks else 1)))
         if acks:
             self._unacked = []
         return _stream_entries(replies[-1])
@@ -173,7 +173,7 @@ class Consumer:
         reply = self._call_with_acks(lambda c: c.xautoclaim(
             self.stream, self.group, self.name, min_idle_time=self.config.claim_idle_ms,
             start_id=start, count=count))
-        self._claim_cursor = _s(reply[0]) if reply else "0-0"
+        self._claim_cursor = as_str(reply[0]) if reply else "0-0"
         entries = list(reply[1]) if reply else []
         deleted = list(reply[2]) if reply and len(reply) > 2 else []
         if deleted:  # trimmed away while pending: nothing left to process
@@ -202,7 +202,7 @@ class Consumer:
         """Delivery counts of entries just re-delivered to us (only re-deliveries pay for this)."""
         rows = self.guard.call(lambda c: c.xpending_range(
             self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.name))
-        counts = {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        counts = {as_str(r["message_id"]): int(r["times_delivered"]) for r in rows}
         missing = [i for i in ids if i not in counts]
         if missing:  # more of our own pending entries lie between them than the range fetched
 
@@ -212,11 +212,11 @@ class Consumer:
                     pipe.xpending_range(self.stream, self.group, min=i, max=i, count=1, consumername=self.name)
                 return pipe.execute()
             for found in self.guard.call(each):
-                counts.update({_s(r["message_id"]): int(r["times_delivered"]) for r in found})
+                counts.update({as_str(r["message_id"]): int(r["times_delivered"]) for r in found})
         return counts
 
     def _accept(self, raw: list[tuple[Any, Any]], pending: bool) -> list[Message]:
-        ids = [_s(entry_id) for entry_id, _ in raw]
+        ids = [as_str(entry_id) for entry_id, _ in raw]
         counts = self._deliveries(ids) if pending and ids else {}
         out: list[Message] = []
         trimmed: list[str] = []
@@ -244,7 +244,7 @@ class Consumer:
             return
         if self._lane.direct:
             packed = pack("XACK", self.stream, self.group, *ids)
-            self.guard.call(lambda c: _raise_errors(self._lane.execute(packed)))
+            self.guard.call(lambda c: raise_errors(self._lane.execute(packed)))
         else:
             self.guard.call(lambda c: c.xack(self.stream, self.group, *ids))
 
@@ -337,13 +337,6 @@ def dead_letter_fields(stream: str, group: str, consumer: str, entry_id: str, fi
     }
 
 
-def _raise_errors(replies: list[Any]) -> list[Any]:
-    for reply in replies:
-        if isinstance(reply, redis.ResponseError):
-            raise reply
-    return replies
-
-
 def _stream_entries(reply: Any) -> list[tuple[Any, Any]]:
     """(id, fields) of each entry of a raw XREADGROUP reply of one stream; fields as a map, ``{}`` when trimmed."""
     if not reply:
@@ -358,7 +351,3 @@ def _stream_entries(reply: Any) -> list[tuple[Any, Any]]:
         else:
             out.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
     return out
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -29,7 +29,7 @@ from typing import IO, Any, Protocol
 
 import redis
 
-from events.connection import Guard, is_busygroup
+from events.connection import Guard, as_str, is_busygroup
 from events.errors import PayloadMissing
 from events.logfile import (
     BATCHES,
@@ -39,13 +39,13 @@ from events.logfile import (
     Payload,
     StreamRange,
     batch_stream_pattern,
-    id_key,
     is_batch_ready,
     logical_stream,
     stream_key,
 )
 from events.names import Keys, check_name
 from events.replay import page
+from events.retention import first_needed
 from events.schema import BatchReady
 
 log = logging.getLogger(__name__)
@@ -78,17 +78,13 @@ class ExportStats:
     missing_payloads: list[str] = field(default_factory=list)
 
 
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def discover_streams(client: redis.Redis, keys: Keys, *, guard: Guard | None = None) -> list[str]:
     """Every existing stream of the namespace: the fixed ones, then each policy's batch stream."""
     def run(c: redis.Redis) -> list[str]:
         found = [st for st in (*keys.event_streams(), keys.dead_letters) if c.exists(st)]
-        batch = {_s(raw) for raw in c.scan_iter(match=batch_stream_pattern(keys), count=1000, _type="stream")}
+        batch = {as_str(raw) for raw in c.scan_iter(match=batch_stream_pattern(keys), count=1000, _type="stream")}
         for raw in c.hkeys(keys.policy_registry):
-            candidate = keys.batch_stream(_s(raw))
+            candidate = keys.batch_stream(as_str(raw))
             if c.exists(candidate):
                 batch.add(candidate)
         return found + sorted(batch)
@@ -96,16 +92,11 @@ def discover_streams(client: redis.Redis, keys: Keys, *, guard: Guard | None = N
 
 
 def _group_info(c: redis.Redis, stream: str, info: dict[Any, Any]) -> dict[str, Any]:
-    name, pending, last = _s(info["name"]), int(info["pending"]), _s(info["last-delivered-id"])
-    ms, _, seq = last.partition("-")
-    first_needed = f"{ms}-{int(seq or 0) + 1}"
-    if pending > 0:
-        oldest = _s(c.xpending(stream, name)["min"])
-        first_needed = min(first_needed, oldest, key=id_key)
     lag, read = info.get("lag"), info.get("entries-read")
     return {
-        "name": name, "consumers": int(info["consumers"]), "pending": pending, "last_delivered_id": last,
-        "first_needed_id": first_needed, "entries_read": None if read is None else int(read),
+        "name": as_str(info["name"]), "consumers": int(info["consumers"]), "pending": int(info["pending"]),
+        "last_delivered_id": as_str(info["last-delivered-id"]),
+        "first_needed_id": str(first_needed(c, stream, info)), "entries_read": None if read is None else int(read),
         "lag": None if lag is None else int(lag),
     }
 

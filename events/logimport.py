@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import redis
 
-from events.connection import Guard, is_busygroup
+from events.connection import Guard, as_str, is_busygroup
 from events.errors import DecodeError, RedisCommandError
 from events.logfile import Header, LogEntry, LogReader, Payload, id_key, is_batch_ready, stream_key
 from events.names import Keys
@@ -51,12 +51,7 @@ def _last_id(client: redis.Redis, stream: str) -> tuple[int, int] | None:
     if not client.exists(stream):
         return None
     info = client.xinfo_stream(stream)
-    raw = info["last-generated-id"]
-    return id_key(raw.decode() if isinstance(raw, bytes) else str(raw))
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return id_key(as_str(info["last-generated-id"]))
 
 
 def _equal_fields(stored: Any, fields: dict[bytes, bytes]) -> bool:
@@ -173,7 +168,7 @@ class Importer:
     @staticmethod
     def _holds_on(c: redis.Redis, target: str, entry: LogEntry) -> bool:
         rows: list[Any] = c.xrange(target, min=entry.id, max=entry.id, count=1) or []
-        return bool(rows) and _s(rows[0][0]) == entry.id and _equal_fields(rows[0][1], entry.fields)
+        return bool(rows) and as_str(rows[0][0]) == entry.id and _equal_fields(rows[0][1], entry.fields)
 
     def _restore_payload(self, entry: LogEntry) -> dict[bytes, bytes]:
         payload = self._pending.pop((entry.stream, entry.id), None)

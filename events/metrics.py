@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from rq import Queue
 
-from events.connection import Guard, ReconnectPolicy
+from events.connection import Guard, ReconnectPolicy, as_str
 from events.errors import BusError
 from events.logexport import discover_streams
 from events.logfile import logical_stream
@@ -93,14 +93,10 @@ class BusSnapshot:
     policies: dict[str, PolicyRecord]
 
 
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _group(c: redis.Redis, stream: str, info: dict[str, Any]) -> GroupStat:
-    last = _s(info["last-delivered-id"])
+    last = as_str(info["last-delivered-id"])
     lag = info.get("lag")
-    stat = GroupStat(_s(info["name"]), int(info["consumers"]), int(info["pending"]),
+    stat = GroupStat(as_str(info["name"]), int(info["consumers"]), int(info["pending"]),
                      None if lag is None else int(lag), last)
     if stat.lag is None:  # deletions or trims between the group and the tail: count what is left (capped)
         stat.lag = len(c.xrange(stream, min="(" + last, max="+", count=LAG_SCAN_CAP) or [])
@@ -111,7 +107,7 @@ def _group(c: redis.Redis, stream: str, info: dict[str, Any]) -> GroupStat:
 def stream_stats(c: redis.Redis, keys: Keys, stream: str) -> StreamStat:
     info = c.xinfo_stream(stream)
     groups = [_group(c, stream, g) for g in c.xinfo_groups(stream)]
-    return StreamStat(logical_stream(keys, stream), stream, int(info["length"]), _s(info["last-generated-id"]),
+    return StreamStat(logical_stream(keys, stream), stream, int(info["length"]), as_str(info["last-generated-id"]),
                       groups)
 
 
@@ -129,9 +125,9 @@ def _recent_dead_letters(c: redis.Redis, keys: Keys, n: int) -> list[dict[str, s
     out = []
     rows: list[Any] = (c.xrevrange(keys.dead_letters, count=n) or []) if n > 0 else []
     for entry_id, fields in rows:
-        row = {"id": _s(entry_id)}
+        row = {"id": as_str(entry_id)}
         for name in ("source", "group", "reason", "deliveries"):
-            row[name] = _s(fields.get(name.encode(), b""))
+            row[name] = as_str(fields.get(name.encode(), b""))
         out.append(row)
     return out
 

@@ -9,7 +9,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from events.connection import Guard, Lane, pack
+from events.connection import Guard, Lane, as_str, pack, raise_errors
 from events.names import Keys
 from events.schema import FIELD, Event, Producer, encode_bytes
 
@@ -105,7 +105,7 @@ class Publisher:
 
     def _run(self, calls: list[_Call]) -> list[str]:
         replies = self.guard.call(lambda c: self._evalsha(c, calls))
-        return [r.decode() if isinstance(r, bytes) else str(r) for r in replies]
+        return [as_str(r) for r in replies]
 
     def _evalsha(self, c: redis.Redis, calls: list[_Call]) -> list[Any]:
         if not self._lane.direct:  # e.g. a single-connection client: its own commands, one by one
@@ -116,10 +116,7 @@ class Publisher:
             redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
             for i, reply in zip(redo, self._send([calls[i] for i in redo]), strict=True):
                 replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, redis.ResponseError):
-                raise reply
-        return replies
+        return raise_errors(replies)
 
     def _send(self, calls: list[_Call]) -> list[Any]:
         sha = self._script.sha

@@ -11,8 +11,9 @@ import dataclasses
 import enum
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import redis
@@ -21,6 +22,7 @@ from events.connection import Guard
 from events.names import Keys
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 class EngineState(enum.StrEnum):
@@ -97,49 +99,41 @@ class Registry:
         self.guard = guard or Guard(client, name="registry")
 
     def put_engine(self, record: EngineRecord, pipe: Any = None) -> None:
+        """Write ``record`` (stamped now); queued on ``pipe`` when one is given, else sent at once."""
         record.updated_ms = time.time_ns() // 1_000_000
-        target = pipe if pipe is not None else self.client
-        if pipe is not None:
-            target.hset(self.keys.engine_registry, record.engine_id, record.pack())
-        else:
-            self.guard.call(lambda c: c.hset(self.keys.engine_registry, record.engine_id, record.pack()))
+        self._put(self.keys.engine_registry, record.engine_id, record.pack(), pipe)
 
     def remove_engine(self, engine_id: str) -> None:
         self.guard.call(lambda c: c.hdel(self.keys.engine_registry, engine_id))
 
     def engines(self) -> dict[str, EngineRecord]:
-        raw: dict[bytes, bytes] = self.guard.call(lambda c: c.hgetall(self.keys.engine_registry))
-        out: dict[str, EngineRecord] = {}
-        for key, value in raw.items():
-            try:
-                rec = EngineRecord.unpack(value)
-            except Exception as exc:
-                log.warning("skipping unreadable engine record %r: %s", key, exc)
-                continue
-            out[rec.engine_id] = rec
-        return out
+        return {rec.engine_id: rec for rec in self._read(self.keys.engine_registry, EngineRecord.unpack, "engine")}
 
     def serving(self, policy: str) -> list[EngineRecord]:
         return [r for r in self.engines().values() if r.serves(policy)]
 
     def put_policy(self, record: PolicyRecord, pipe: Any = None) -> None:
+        """Write ``record`` (stamped now); queued on ``pipe`` when one is given, else sent at once."""
         record.updated_ms = time.time_ns() // 1_000_000
-        if pipe is not None:
-            pipe.hset(self.keys.policy_registry, record.policy, record.pack())
-        else:
-            self.guard.call(lambda c: c.hset(self.keys.policy_registry, record.policy, record.pack()))
+        self._put(self.keys.policy_registry, record.policy, record.pack(), pipe)
 
     def policies(self) -> dict[str, PolicyRecord]:
-        raw: dict[bytes, bytes] = self.guard.call(lambda c: c.hgetall(self.keys.policy_registry))
-        out: dict[str, PolicyRecord] = {}
-        for key, value in raw.items():
-            try:
-                rec = PolicyRecord.unpack(value)
-            except Exception as exc:
-                log.warning("skipping unreadable policy record %r: %s", key, exc)
-                continue
-            out[rec.policy] = rec
-        return out
+        return {rec.policy: rec for rec in self._read(self.keys.policy_registry, PolicyRecord.unpack, "policy")}
 
     def policy(self, policy: str) -> PolicyRecord | None:
         return self.policies().get(policy)
+
+    def _put(self, key: str, name: str, packed: bytes, pipe: Any) -> None:
+        if pipe is not None:
+            pipe.hset(key, name, packed)
+        else:
+            self.guard.call(lambda c: c.hset(key, name, packed))
+
+    def _read(self, key: str, unpack: Callable[[bytes], R], kind: str) -> Iterator[R]:
+        """Every readable record of the hash ``key``; an unreadable one is skipped with a warning."""
+        raw: dict[bytes, bytes] = self.guard.call(lambda c: c.hgetall(key))
+        for name, value in raw.items():
+            try:
+                yield unpack(value)
+            except Exception as exc:  # a record written by another version, or damaged: skip, never crash readers
+                log.warning("skipping unreadable %s record %r: %s", kind, name, exc)

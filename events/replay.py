@@ -7,7 +7,7 @@ from typing import Any
 
 import redis
 
-from events.connection import Guard
+from events.connection import Guard, as_str
 
 
 def id_at(ms: int) -> str:
@@ -26,10 +26,8 @@ def page(client: redis.Redis, stream: str, start: str = "-", end: str = "+", *, 
         if not rows:
             return
         for entry_id, fields in rows:
-            sid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            yield sid, fields
-        last = rows[-1][0]
-        cursor = "(" + (last.decode() if isinstance(last, bytes) else last)
+            yield as_str(entry_id), fields
+        cursor = "(" + as_str(rows[-1][0])
         if len(rows) < count:
             return
 

@@ -17,7 +17,7 @@ from events.connection import Guard
 from events.names import Keys
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class StreamId:
     ms: int
     seq: int
@@ -31,9 +31,6 @@ class StreamId:
     def next(self) -> StreamId:
         return StreamId(self.ms, self.seq + 1)
 
-    def __lt__(self, other: StreamId) -> bool:
-        return (self.ms, self.seq) < (other.ms, other.seq)
-
     def __str__(self) -> str:
         return f"{self.ms}-{self.seq}"
 
@@ -46,13 +43,19 @@ def safe_trim_point(client: redis.Redis, keys: Keys, stream: str) -> StreamId | 
     if registered - set(existing):
         return StreamId(0, 0)
     point: StreamId | None = None
-    for name, info in existing.items():
-        need = StreamId.parse(info["last-delivered-id"]).next()
-        if int(info["pending"]) > 0:
-            summary = client.xpending(stream, name)
-            need = min(need, StreamId.parse(summary["min"]))
+    for info in existing.values():
+        need = first_needed(client, stream, info)
         point = need if point is None else min(point, need)
     return point
+
+
+def first_needed(client: redis.Redis, stream: str, info: dict[Any, Any]) -> StreamId:
+    """The first entry a group (its ``XINFO GROUPS`` row) still needs: its oldest pending one, else the
+    one after its last delivered."""
+    need = StreamId.parse(info["last-delivered-id"]).next()
+    if int(info["pending"]) > 0:
+        need = min(need, StreamId.parse(client.xpending(stream, info["name"])["min"]))
+    return need
 
 
 def trim(client: redis.Redis, keys: Keys, stream: str, *, max_len: int | None = None,
@@ -78,7 +81,7 @@ def trim(client: redis.Redis, keys: Keys, stream: str, *, max_len: int | None = 
             else:
                 keep = c.xrevrange(stream, count=max_len)
                 by_len = StreamId.parse(keep[-1][0])
-            target = by_len if target is None else max(target, by_len, key=lambda s: (s.ms, s.seq))
+            target = by_len if target is None else max(target, by_len)
         if target is None or not c.exists(stream):
             return 0
         safe = safe_trim_point(c, keys, stream)

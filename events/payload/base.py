@@ -4,16 +4,18 @@ A store writes an ``EncodedBatch`` under a ref (``"<policy>:<batch_id>"``) and r
 reference, a small msgpack-able map that travels in the ``BatchReady`` event. ``get``
 returns a buffer that ``events.batch.decode`` reads without copying. References come off
 the wire: stores derive every key and path from the validated ref and their own
-configuration, never from a path or key written in the reference.
+configuration, never from a path or key written in the reference. ``write_vectored`` is
+the scatter-gather write loop the stores share (files, sockets).
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from events.batch import EncodedBatch
+from events.batch import Buffer, EncodedBatch
 from events.errors import DecodeError
 from events.names import check_name
 
@@ -21,6 +23,7 @@ Reference = dict[str, Any]
 PayloadBuffer = bytes | bytearray | memoryview
 
 _REF_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}:[A-Za-z0-9_.\-]{1,64}$")
+IOV_MAX = 1024  # buffers one writev/sendmsg call may take (Linux' UIO_MAXIOV)
 
 
 def make_ref(policy: str, batch_id: str) -> str:
@@ -31,6 +34,27 @@ def check_ref(ref: Any) -> str:
     if not isinstance(ref, str) or not _REF_RE.match(ref):
         raise DecodeError(f"payload ref {ref!r} is not '<policy>:<batch_id>'")
     return ref
+
+
+def write_vectored(write: Callable[[list[memoryview], int], int], buffers: Sequence[Buffer]) -> int:
+    """Write every byte of ``buffers`` in order through ``write(views, done)``, a scatter-gather call
+    (``writev``, ``pwritev``, ``sendmsg``) given at most ``IOV_MAX`` views and the bytes written so
+    far, returning how many it wrote; a partial write resumes where it stopped. Returns the total."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    total = 0
+    i = 0
+    while i < len(views):
+        n = write(views[i:i + IOV_MAX], total)
+        total += n
+        while n:
+            size = views[i].nbytes
+            if n >= size:
+                n -= size
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+    return total
 
 
 class PayloadStore(ABC):

@@ -19,31 +19,17 @@ from typing import ClassVar
 from events.batch import Buffer, EncodedBatch
 from events.errors import DecodeError, PayloadMissing
 from events.names import Keys
-from events.payload.base import PayloadBuffer, PayloadStore, Reference, check_ref
+from events.payload.base import PayloadBuffer, PayloadStore, Reference, check_ref, write_vectored
 
-IOV_MAX = 1024
 TMP_PREFIX = ".tmp-"
 
 
 def write_all(fd: int, buffers: Sequence[Buffer], offset: int | None = None) -> int:
     """Write every buffer in order with ``writev`` (or ``pwritev`` at ``offset``); returns bytes written."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if v.nbytes]
-    total = 0
-    i = 0
-    while i < len(views):
-        batch = views[i:i + IOV_MAX]
-        n = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset + total)
-        total += n
-        while n:
-            size = views[i].nbytes
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
-    return total
+    if offset is None:
+        return write_vectored(lambda views, _done: os.writev(fd, views), buffers)
+    start = offset
+    return write_vectored(lambda views, done: os.pwritev(fd, views, start + done), buffers)
 
 
 class FileStore(PayloadStore):

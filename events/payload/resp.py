@@ -22,10 +22,11 @@ from typing import Any
 import redis
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
+from events.payload.base import write_vectored
+
 Arg = bytes | bytearray | memoryview | str | int
 Reply = bytes | int | None | list[Any]
 
-IOV_MAX = 1024
 BIG_ARG = 64 << 10
 _READ_SIZE = 64 << 10
 
@@ -175,18 +176,7 @@ class RespConnection:
             for frame in frames:
                 sock.sendall(frame)
             return
-        views = [memoryview(f).cast("B") for f in frames if len(f)]
-        i = 0
-        while i < len(views):
-            sent = sock.sendmsg(views[i:i + IOV_MAX])
-            while sent:
-                n = views[i].nbytes
-                if sent >= n:
-                    sent -= n
-                    i += 1
-                else:
-                    views[i] = views[i][sent:]
-                    sent = 0
+        write_vectored(lambda views, _done: sock.sendmsg(views), frames)
 
     def execute(self, *args: Arg) -> Reply:
         self.send(pack_command(args))
