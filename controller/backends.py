@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, ClassVar
 
+from events import processes
+
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -171,20 +173,4 @@ def pid_alive(pid: int, port: int | None = None) -> bool:
 
     The port check guards against adopting an unrelated process that reused the pid.
     """
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc = Path(f"/proc/{pid}")
-    try:
-        stat = (proc / "stat").read_text()
-        if stat.rsplit(")", 1)[-1].split()[0] == "Z":
-            return False
-        if port is not None:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-            return str(port).encode() in args
-    except OSError:
-        return True
-    return True
+    return processes.alive(pid, cmdline_has=None if port is None else str(port))

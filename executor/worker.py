@@ -29,6 +29,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
+from events import processes
 from events.connection import Redis
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class ExecutorWorker(SimpleWorker):
             pid = int(data.get(b"pid") or 0)
         except ValueError:
             pid = 0
-        if host != self.hostname or pid == os.getpid() or _alive(pid):
+        if host != self.hostname or pid == os.getpid() or processes.alive(pid):
             return  # a live worker holds the name: rq refuses to start a second one
         members: set[bytes] = self.connection.smembers(self.executions_key)  # type: ignore[assignment]
         composites = [c.decode() for c in members]
@@ -148,14 +149,3 @@ class Reaper:
                 except Exception as exc:  # expired or Redis gone: either way the lock times out by itself
                     log.debug("releasing the cleaning lock of %s: %s", queue.name, exc)
 
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

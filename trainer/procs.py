@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from events import processes
+
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,31 +88,10 @@ class ProcessSet:
             self.stop(child, timeout_s)
         deadline = time.monotonic() + timeout_s
         for pid, name in self.extra_pids.items():
-            while _alive(pid) and time.monotonic() < deadline:
+            while processes.alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if _alive(pid) and _cmdline_has(pid, "engine"):
+            if processes.alive(pid, cmdline_has="engine"):
                 log.warning("%s (pid %d) still alive: SIGKILL", name, pid)
-                with contextlib.suppress(ProcessLookupError):
+                with contextlib.suppress(ProcessLookupError, PermissionError):  # gone, or the pid reused
                     os.kill(pid, signal.SIGKILL)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours counts as gone
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
-
-
-def _cmdline_has(pid: int, word: str) -> bool:
-    """Whether ``pid`` still runs a command line containing ``word`` (guards against pid reuse)."""
-    try:
-        return word in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False

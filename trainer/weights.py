@@ -60,6 +60,8 @@ class WeightPublisher:
         self.registry = Registry(client, keys)
         self.guard = Guard(client, name=f"weights {policy}")
         self._published: list[int] = []
+        self._saved: tuple[int, str] | None = None
+        """The version this process last saved and its sha256, so announcing it does not hash the file again."""
 
     def adopt(self, current: int) -> None:
         """Take over the versions on disk up to ``current`` (after a restart), so pruning goes on."""
@@ -73,14 +75,22 @@ class WeightPublisher:
         """Write version ``version`` and return its directory and the sha256 of its weights file."""
         directory = version_dir(self.root, self.policy, version)
         path = save_weights(model, directory)
-        return directory, sha256_file(path)
+        digest = sha256_file(path)
+        self._saved = (version, digest)
+        return directory, digest
 
     def publish(self, model: TinyLM | None, version: int) -> Published:
-        """Save (unless ``model`` is None: the file is already there) and announce ``version``."""
+        """Save (unless ``model`` is None: the file is already there) and announce ``version``.
+
+        With ``model`` None the sha256 is the one ``save`` computed for ``version`` in this
+        process, else (after a restart) it is computed from the file.
+        """
         started = time.perf_counter()
         directory = version_dir(self.root, self.policy, version)
         if model is not None:
             directory, digest = self.save(model, version)
+        elif self._saved is not None and self._saved[0] == version:
+            digest = self._saved[1]
         else:
             digest = sha256_file(directory / "model.safetensors")
         save_ms = (time.perf_counter() - started) * 1000
