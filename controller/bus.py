@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -68,6 +68,19 @@ class ControllerBus:
 
     async def weights_event(self, event: Event, record: EngineRecord | None = None) -> None:
         await self.announce(self.keys.weight_stream, event, record)
+
+    async def put_engines(self, records: Iterable[EngineRecord]) -> None:
+        """Several engine records (no events) in one round trip."""
+        snapshots = [copy.deepcopy(r) for r in records]
+        if not snapshots:
+            return
+
+        def send(client: Redis) -> None:
+            pipe = client.pipeline(transaction=False)
+            for snapshot in snapshots:
+                self.registry.put_engine(snapshot, pipe)
+            pipe.execute()
+        await self.call(lambda: self.registry.guard.call(send))
 
     async def put_policy(self, record: PolicyRecord) -> None:
         snapshot = copy.deepcopy(record)

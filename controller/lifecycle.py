@@ -130,8 +130,7 @@ class Lifecycle:
         h.restart_attempts = 0
         await self.core.transition(h, S.SERVING, self.core.event(
             EngineServing, engine_id=h.engine_id, url=h.record.url, versions=dict(h.record.versions)))
-        for policy in self.core.book.targets():
-            self.updater.wake(policy)
+        await self.updater.joined()
         return True
 
     async def _mark_unhealthy(self, h: EngineHandle, reason: str) -> None:

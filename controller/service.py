@@ -1,8 +1,9 @@
 """The InferenceController service: miles' controller, speaking only through Redis.
 
 Lifecycle: ``start()`` rebuilds the view (engine event log + registry + each engine's
-``/model_info``), adopts live engines, replaces dead ones it launched, launches the
-missing ones, then runs three loops: health sweeps, ``WeightsPublished`` intake and
+``/model_info``; the base policy gets a launch record when the registry has none),
+adopts live engines, replaces dead ones it launched, launches the missing ones, then
+runs three loops: health sweeps, ``WeightsPublished`` intake and
 offload/onload commands. ``stop()`` ends the loops and, unless told to keep them,
 stops the engines it launched. Only one instance per namespace should be started:
 ``controller.runner`` holds the lease that ensures it.
@@ -90,7 +91,7 @@ class InferenceController:
         await self._seed_versions(policies)
         known = merge_registry(fold_engine_log(log_events), records)
         await self._reconcile_engines(known)
-        self.updater.wake_all()
+        await self.updater.joined()
         self._loops = [asyncio.create_task(self._forever(name, loop), name=name) for name, loop in (
             ("health", self._health_loop), ("weights", self._weights_loop), ("commands", self._commands_loop))]
         log.info("controller up: %d engines (%s)", len(self.engines),
@@ -126,8 +127,17 @@ class InferenceController:
 
     # --- rebuilding the view ------------------------------------------------------------------
     async def _seed_versions(self, policies: dict[str, PolicyRecord]) -> None:
+        """Seed the version book from the policy records; write the base policy's launch record if none.
+
+        A record without a ``uri`` names no weights file (the launch record, or a target rolled back
+        to the launch weights): it is never verified and seeds no target.
+        """
         cfg = self.config
         self.core.book.seed(cfg.base_policy, cfg.initial_version)
+        if cfg.base_policy not in policies:
+            launch = PolicyRecord(cfg.base_policy, published=cfg.initial_version)
+            self.core.policies[cfg.base_policy] = launch
+            await self.core.bus.put_policy(launch)
         for policy, record in policies.items():
             self.core.policies[policy] = record
             if record.published < 0 or not record.uri:
@@ -246,6 +256,7 @@ class InferenceController:
         results = await sweep({eid: h.client for eid, h in candidates.items()}, cfg.health_timeout_s,
                               with_load=True)
         self.core.metrics.health_sweep_seconds.observe(loop.time() - started)
+        loaded: list[EngineHandle] = []
         for result in results:
             h = candidates[result.engine_id]
             self.core.metrics.health_check_seconds.labels("ok" if result.ok else "failed").observe(
@@ -258,7 +269,7 @@ class InferenceController:
                     self.core.spawn(self.lifecycle.recover(h), f"recover-{h.engine_id}")
                 elif result.load is not None and result.load != h.record.load:
                     h.record.load = result.load
-                    await self.core.save(h)
+                    loaded.append(h)
                 continue
             if h.state != S.SERVING:
                 continue
@@ -268,6 +279,7 @@ class InferenceController:
             if h.failures >= cfg.health_failure_threshold or h.process_dead():
                 self.core.spawn(self._failed(h, f"health check failed {h.failures} times: {result.reason}"),
                                 f"fail-{h.engine_id}")
+        await self.core.bus.put_engines(h.record for h in loaded)  # new loads: one round trip per sweep
 
     async def _failed(self, h: EngineHandle, reason: str) -> None:
         await self.lifecycle.fail(h, reason)
@@ -312,14 +324,17 @@ class InferenceController:
 
     async def offload(self, tags: Sequence[str], engine_ids: Sequence[str] | None = None) -> dict[str, str]:
         """Release engine memory by tag; engines go ``offloaded`` and leave the serving set."""
-        targets = self._targets(tags, engine_ids)
-        results = await asyncio.gather(*(self._offload_one(h, list(tags)) for h in targets))
-        return dict(zip((h.engine_id for h in targets), results, strict=True))
+        return await self._on_each(self._offload_one, tags, engine_ids)
 
     async def onload(self, tags: Sequence[str], engine_ids: Sequence[str] | None = None) -> dict[str, str]:
         """Resume engine memory by tag; with nothing left released, an engine serves again."""
+        return await self._on_each(self._onload_one, tags, engine_ids)
+
+    async def _on_each(self, one: Callable[[EngineHandle, list[str]], Awaitable[str]], tags: Sequence[str],
+                       engine_ids: Sequence[str] | None) -> dict[str, str]:
+        """Run ``one`` on every targeted engine at once; engine id -> outcome."""
         targets = self._targets(tags, engine_ids)
-        results = await asyncio.gather(*(self._onload_one(h, list(tags)) for h in targets))
+        results = await asyncio.gather(*(one(h, list(tags)) for h in targets))
         return dict(zip((h.engine_id for h in targets), results, strict=True))
 
     async def _offload_one(self, h: EngineHandle, tags: list[str]) -> str:
@@ -362,8 +377,7 @@ class InferenceController:
                 if outcome is None:
                     await self.core.transition(h, S.SERVING, self.core.event(
                         EngineServing, engine_id=h.engine_id, url=h.record.url, versions=dict(h.record.versions)))
-                    for policy in self.core.book.targets():
-                        self.updater.wake(policy)
+                    await self.updater.joined()
                     return "ok"
                 problem = f"could not load the latest weights after onload: {outcome.reason}"
         await self.lifecycle.fail(h, problem)

@@ -8,7 +8,6 @@ trainer does, and reading the controller's event streams back.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import shutil
 import time
 from collections.abc import Callable
@@ -18,13 +17,7 @@ from events.connection import Redis
 from events.names import Keys
 from events.publish import Publisher
 from events.schema import Event, Producer, WeightsPublished, decode
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from lm.files import CONFIG_FILE, WEIGHTS_FILE, sha256_file
 
 
 def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.05,
@@ -47,7 +40,7 @@ def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(base_dir / CONFIG_FILE, out_dir / CONFIG_FILE)
     save_file(out, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    return out_dir, file_sha256(out_dir / WEIGHTS_FILE)
+    return out_dir, sha256_file(out_dir / WEIGHTS_FILE)
 
 
 def publish_weights(client: Redis, keys: Keys, policy: str, version: int, uri: str, sha256: str,

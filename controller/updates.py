@@ -12,8 +12,11 @@ another's; an engine's lock keeps two pushes to one engine from interleaving.
 
 The policy record (``events.registry.PolicyRecord``) names the weights engines must run:
 ``published``/``uri``/``sha256`` are written when a version is accepted (and rewritten if
-it is rolled back), ``serving`` when every serving engine runs it. A restarted controller
-seeds its targets from it, and re-reads its own unacknowledged ``WeightsPublished``
+it is rolled back), ``serving`` when every serving engine runs it. Before any publication,
+the base policy has a launch record (``published`` = the launch version, no uri), written
+at startup when the registry has none; ``announce_launch`` sets its ``serving`` once every
+serving engine runs the launch version. A restarted controller seeds its targets from the
+records that name weights, and re-reads its own unacknowledged ``WeightsPublished``
 entries: an entry is acknowledged only once its update settled.
 
 Per-engine outcomes: ``applied``; ``rejected`` (the engine answered 4xx and kept its
@@ -144,6 +147,11 @@ class WeightUpdater:
     def wake_all(self) -> None:
         for policy in self.core.book.targets():
             self.wake(policy)
+
+    async def joined(self) -> None:
+        """Engines began serving: converge every policy to its target, and announce the launch weights."""
+        self.wake_all()
+        await self.announce_launch()
 
     async def _worker(self, policy: str) -> None:
         wake = self._wake[policy]
@@ -291,7 +299,7 @@ class WeightUpdater:
             lagging = [h for h in behind if lags(h, target)]
             if lagging:  # a new round waits for each engine's lock, then pushes
                 self._wake.setdefault(policy, asyncio.Event()).set()
-            elif not lagging:
+            else:
                 log.warning("engines %s run a newer %s than the target v%d; not pushing an older version",
                             [h.engine_id for h in behind], policy, target.version)
             return
@@ -308,6 +316,24 @@ class WeightUpdater:
         if not self._wake.setdefault(policy, asyncio.Event()).is_set():
             await self._settle_entries(target)
 
+    async def announce_launch(self) -> None:
+        """The base policy's launch record says ``serving`` once every serving engine runs the launch version.
+
+        A launch record names a version but no weights file (``_seed_versions`` writes it when the registry
+        has none); once a publication becomes the target, ``announce`` writes ``serving`` instead.
+        """
+        policy = self.core.config.base_policy
+        record = self.core.policies.get(policy)
+        if (record is None or record.uri or record.serving >= record.published
+                or self.core.book.target(policy) is not None):
+            return
+        serving = self.core.serving()
+        if serving and all(h.record.versions.get(policy) == record.published for h in serving):
+            record.serving = record.published
+            await self.core.bus.put_policy(record)
+            log.info("all %d serving engines run the launch weights of %s (v%d)", len(serving), policy,
+                     record.published)
+
     async def _record_target(self, policy: str) -> None:
         """The policy record names the weights engines must run: ``published``, ``uri``, ``sha256``."""
         target = self.core.book.target(policy)
@@ -322,14 +348,15 @@ class WeightUpdater:
         """Ack every publication of the policy handled so far (applied, superseded or refused)."""
         entries = self._entries.pop(target.policy, [])
         served = self._served.pop(target.policy, set())
-        for version, entry_id in entries:
+        for version, _entry_id in entries:
             if version < target.version and version not in served:
                 await self.core.bus.weights_event(self.core.event(
                     WeightUpdateFailed, policy=target.policy, version=version, engine_id="",
                     reason=f"superseded by version {target.version} before every serving engine ran it"))
-            if entry_id is not None:
-                await self._ack(entry_id)
+        entry_ids = [entry_id for _version, entry_id in entries if entry_id is not None]
+        if entry_ids:  # one XACK for all of them, after their events
+            await self._ack(*entry_ids)
 
-    async def _ack(self, entry_id: str) -> None:
-        self.inflight.discard(entry_id)
-        await self.core.bus.ack_weights(entry_id)
+    async def _ack(self, *entry_ids: str) -> None:
+        self.inflight.difference_update(entry_ids)
+        await self.core.bus.ack_weights(*entry_ids)

@@ -17,9 +17,8 @@ from urllib.parse import unquote, urlsplit
 
 from controller.versions import Target
 from events.errors import Failure
-from lm.files import sha256_file
+from lm.files import sha256_file, weights_file
 
-WEIGHTS_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20
 
 Shapes = dict[str, tuple[str, tuple[int, ...]]]
@@ -39,11 +38,6 @@ def uri_path(uri: str) -> Path:
     if "://" in uri:
         raise BadWeights(f"unsupported weights uri {uri!r}: only local paths and file:// are supported")
     return Path(uri)
-
-
-def weights_file(path: Path) -> Path:
-    """The safetensors file meant by ``path``: the file itself or ``model.safetensors`` inside it."""
-    return path if path.suffix == ".safetensors" else path / WEIGHTS_FILE
 
 
 def read_shapes(path: Path) -> Shapes:

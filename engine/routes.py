@@ -66,7 +66,7 @@ class Routes:
             post("/generate", self.generate),
             get("/health", self.health),
             get("/health_generate", self.health_generate),
-            get("/ready", self.ready),
+            get("/ready", self.health),
             get("/model_info", self.model_info),
             get("/get_model_info", self.model_info),
             get("/server_info", self.server_info),
@@ -139,9 +139,7 @@ class Routes:
 
     # health and info
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.scheduler.alive else 503)
-
-    async def ready(self, request: web.Request) -> web.Response:
+        """``/health`` and ``/ready``: 200 while the scheduler runs."""
         return web.Response(status=200 if self.scheduler.alive else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:

@@ -21,14 +21,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from lm.files import CONFIG_FILE, config_file, weights_file
 from lm.kv_cache import KVCache
 from lm.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
 
 DeviceLike = str | torch.device
 PathLike = str | os.PathLike[str]
-
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 
 
 @dataclass(frozen=True)
@@ -246,17 +244,6 @@ def generate(
             break
         step_logits, cache = model.decode_step(tokens, cache)
     return outputs
-
-
-def weights_file(path: PathLike) -> Path:
-    """The safetensors file meant by ``path``: the file itself, or ``model.safetensors`` in a directory."""
-    path = Path(path)
-    return path if path.suffix == ".safetensors" else path / WEIGHTS_FILE
-
-
-def config_file(path: PathLike) -> Path:
-    """The ``config.json`` that describes the weights at ``path`` (it sits beside the weights file)."""
-    return weights_file(path).parent / CONFIG_FILE
 
 
 def save_weights(model: TinyLM, path: PathLike) -> Path:

@@ -61,6 +61,8 @@ def test_a_killed_or_hung_engine_is_replaced_and_gets_the_latest_weights_before_
         ctl = InferenceController(cfg, redis_client)
         await ctl.start()
         try:
+            launch = Registry(redis_client, keys).policy("default")  # before any publication: the launch record
+            assert launch is not None and (launch.published, launch.serving, launch.uri) == (0, 0, "")
             publish_weights(redis_client, keys, "default", 1, str(v1), sha)
             await wait_until_async("v1 serving", lambda: find(
                 read_events(redis_client, keys.weight_stream), WeightVersionServing, version=1), 15)

@@ -1,4 +1,5 @@
-"""Weight-update rounds against fake engines: supersession, stale versions, refusals, failures."""
+"""Weight-update rounds against fake engines: supersession, stale versions, refusals, failures,
+and the base policy's launch record (written at startup, never verified as weights)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ from typing import Any
 
 import fakeredis
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
+import controller.service
 from controller.bus import ControllerBus
 from controller.config import ControllerConfig
 from controller.core import Core
 from controller.metrics import ControllerMetrics
+from controller.service import InferenceController
 from controller.state import EngineHandle
 from controller.testing import find, read_events
 from controller.updates import WeightUpdater
 from engine.http_client import EngineHTTPError
 from events.names import Keys
-from events.registry import EngineRecord, EngineState
+from events.registry import EngineRecord, EngineState, PolicyRecord, Registry
 from events.schema import Producer, WeightsApplied, WeightsPublished, WeightUpdateFailed, WeightVersionServing
 
 
@@ -181,3 +185,60 @@ def test_an_engine_that_refuses_what_others_took_or_stops_answering_leaves_the_s
     assert [e.engine_id for e in find(rig.weight_events(), WeightsApplied)] == ["e0"]  # type: ignore[attr-defined]
     serving = find(rig.weight_events(), WeightVersionServing)
     assert [(e.version, e.engine_ids) for e in serving] == [(1, ["e0"])]  # type: ignore[attr-defined]
+
+
+def test_the_launch_record_says_serving_once_every_serving_engine_runs_the_launch_version(tmp_path: Path) -> None:
+    async def scenario() -> tuple[Rig, list[PolicyRecord | None]]:
+        rig = Rig(tmp_path)
+        registry = Registry(rig.client, rig.keys)
+        rig.core.policies["default"] = PolicyRecord("default", published=0)
+        seen = []
+        rig.core.engines["e1"].record.versions = {"default": 7}  # not the launch weights: no claim
+        await rig.updater.joined()
+        seen.append(registry.policy("default"))
+        rig.core.engines["e1"].record.versions = {"default": 0}
+        await rig.updater.joined()
+        seen.append(registry.policy("default"))
+        await rig.updater.submit(rig.publication(1))  # a publication takes over the record
+        await rig.settle()
+        seen.append(registry.policy("default"))
+        await rig.close()
+        return rig, seen
+
+    _rig, (before, launch, published) = run(scenario())
+    assert before is None
+    assert launch is not None and (launch.published, launch.serving, launch.uri) == (0, 0, "")
+    assert published is not None and (published.published, published.serving) == (1, 1) and published.uri
+
+
+def test_startup_writes_a_launch_record_and_a_restart_never_verifies_it_as_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = fakeredis.FakeRedis()
+    config = ControllerConfig(namespace="unit", num_engines=0, adopt_urls=["http://127.0.0.1:9"],
+                              weights_root=str(tmp_path), log_dir=str(tmp_path / "logs"), initial_version=2)
+    registry = Registry(client, Keys("unit"))
+
+    async def seed() -> InferenceController:
+        ctl = InferenceController(config, client)
+        try:
+            await ctl._seed_versions(registry.policies())
+        finally:
+            ctl.core.bus.close()
+        return ctl
+
+    run(seed())
+    record = registry.policy("default")
+    assert record is not None and (record.published, record.serving, record.uri, record.sha256) == (2, -1, "", "")
+
+    record.serving = 2
+    registry.put_policy(record)
+
+    def no_verify(*_: Any) -> None:
+        raise AssertionError("a launch record names no weights to verify")
+
+    monkeypatch.setattr(controller.service, "verify", no_verify)
+    ctl = run(seed())
+    assert ctl.core.book.target("default") is None and ctl.core.book.accepted("default") == 2
+    assert ctl.core.policies["default"].serving == 2
+    again = registry.policy("default")
+    assert again is not None and (again.published, again.serving) == (2, 2)  # left as it was
