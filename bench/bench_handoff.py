@@ -112,17 +112,9 @@ class TcpPath:
         self.q.get(timeout=120)
 
     def _send(self, frames: list[Any]) -> None:
-        i = 0
-        while i < len(frames):
-            sent = self.conn.sendmsg(frames[i:i + 1024])
-            while sent:
-                size = frames[i].nbytes
-                if sent >= size:
-                    sent -= size
-                    i += 1
-                else:
-                    frames[i] = frames[i][sent:]
-                    sent = 0
+        from events.payload.base import write_vectored
+
+        write_vectored(lambda views, _done: self.conn.sendmsg(views), frames)
 
     def once(self, i: int) -> tuple[float, float | None]:
         t0 = time.perf_counter()
