@@ -14,6 +14,7 @@ RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 
 # The project (no .venv, .git or caches: only what the roles run).
 COPY pyproject.toml README.md ./
+COPY rollout_bus/ rollout_bus/
 COPY events/ events/
 COPY controller/ controller/
 COPY executor/ executor/
@@ -21,7 +22,8 @@ COPY trainer/ trainer/
 COPY engine/ engine/
 COPY lm/ lm/
 COPY tasks/ tasks/
-COPY scripts/ scripts/
+COPY replay/ replay/
+COPY launch/ launch/
 # EXTRA_PIP: more packages for a tools image, e.g. "rq-dashboard==0.9.0 six" (compose's rq-dashboard).
 ARG EXTRA_PIP=""
 RUN pip install . ${EXTRA_PIP} \
@@ -32,4 +34,4 @@ RUN pip install . ${EXTRA_PIP} \
 USER rollout
 # /metrics ports: bus 9100, controller 9101, executor 9102, trainer 9103
 EXPOSE 9100 9101 9102 9103
-CMD ["python", "scripts/status.py", "--help"]
+CMD ["rollout-bus", "--help"]

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import events.batch as batch_mod  # noqa: E402
-from events.batch import decode, encode  # noqa: E402
+import rollout_bus.events.batch as batch_mod  # noqa: E402
+from rollout_bus.events.batch import decode, encode  # noqa: E402
 
 
 def make_tensors(total_mib: int) -> dict[str, torch.Tensor]:

@@ -32,12 +32,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from events.connection import connect  # noqa: E402
-from events.consume import Consumer, ConsumerConfig, Message  # noqa: E402
-from events.embedded import RedisServer  # noqa: E402
-from events.names import Keys  # noqa: E402
-from events.publish import Publisher  # noqa: E402
-from events.schema import Event, Producer, encode  # noqa: E402
+from rollout_bus.events.connection import connect  # noqa: E402
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message  # noqa: E402
+from rollout_bus.events.embedded import RedisServer  # noqa: E402
+from rollout_bus.events.names import Keys  # noqa: E402
+from rollout_bus.events.publish import Publisher  # noqa: E402
+from rollout_bus.events.schema import Event, Producer, encode  # noqa: E402
 
 GROUP = "bench"
 PRODUCER = Producer("bench", "0")

@@ -39,16 +39,16 @@ sys.path.insert(0, str(ROOT))
 
 from rq import Worker  # noqa: E402
 
-from engine.http_client import EngineClient, close_shared_session  # noqa: E402
-from events.connection import connect  # noqa: E402
-from events.embedded import RedisServer  # noqa: E402
-from events.names import Keys  # noqa: E402
-from events.registry import EngineRecord, EngineState, PolicyRecord, Registry  # noqa: E402
-from events.replay import page  # noqa: E402
-from events.schema import decode  # noqa: E402
-from executor.request import RolloutRequest, SamplingParams  # noqa: E402
-from executor.submit import RolloutSubmitter, rq_queue  # noqa: E402
-from lm import tokenizer  # noqa: E402
+from rollout_bus.engine.http_client import EngineClient, close_shared_session  # noqa: E402
+from rollout_bus.events.connection import connect  # noqa: E402
+from rollout_bus.events.embedded import RedisServer  # noqa: E402
+from rollout_bus.events.names import Keys  # noqa: E402
+from rollout_bus.events.paging import page  # noqa: E402
+from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry  # noqa: E402
+from rollout_bus.events.rollouts import RolloutRequest, SamplingParams  # noqa: E402
+from rollout_bus.events.schema import decode  # noqa: E402
+from rollout_bus.events.submit import RolloutSubmitter, rq_queue  # noqa: E402
+from rollout_bus.lm import tokenizer  # noqa: E402
 from tests.engine_proc import EngineProcess, make_weights_dir  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def start_executors(url: str, namespace: str, n: int, logs: Path) -> list[subpro
     for i in range(n):
         with open(logs / f"executor-{namespace}-{i}.log", "wb") as out:
             procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "scripts" / "executor.py"), "--redis-url", url, "--namespace", namespace,
+                [sys.executable, "-m", "rollout_bus", "executor", "--redis-url", url, "--namespace", namespace,
                  "--index", str(i), "--queues", "rollout", "--log-level", "WARNING"],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs

@@ -95,7 +95,7 @@ class TcpPath:
     """The floor: the tensor bytes over one loopback TCP connection, scatter-gather, into a fresh buffer."""
 
     def __init__(self, tensors: dict[str, Any]) -> None:
-        from events.batch import encode
+        from rollout_bus.events.batch import encode
 
         self.views = [memoryview(b).cast("B") for b in encode(tensors, {}).buffers[1:] if len(b)]
         self.nbytes = sum(v.nbytes for v in self.views)
@@ -112,7 +112,7 @@ class TcpPath:
         self.q.get(timeout=120)
 
     def _send(self, frames: list[Any]) -> None:
-        from events.payload.base import write_vectored
+        from rollout_bus.events.payload.base import write_vectored
 
         write_vectored(lambda views, _done: self.conn.sendmsg(views), frames)
 
@@ -134,17 +134,17 @@ def bus_client(url: str) -> Any:
     """``events.connection.connect``, except for unix sockets (whose redis-py connection takes no keepalive)."""
     import redis
 
-    from events.connection import connect
+    from rollout_bus.events.connection import connect
 
     return redis.Redis.from_url(url) if url.startswith("unix://") else connect(url)
 
 
 def store_consumer(url: str, namespace: str, spec: str, out: Any, stop: Any, verify: bool) -> None:
-    from events.batches import BatchChannel
-    from events.consume import Consumer, ConsumerConfig
-    from events.names import Keys
-    from events.payload import make_store
-    from events.schema import BatchReady
+    from rollout_bus.events.batches import BatchChannel
+    from rollout_bus.events.consume import Consumer, ConsumerConfig
+    from rollout_bus.events.names import Keys
+    from rollout_bus.events.payload import make_store
+    from rollout_bus.events.schema import BatchReady
 
     client = bus_client(url)
     keys = Keys(namespace)
@@ -176,11 +176,11 @@ class StorePath:
     def start(self) -> None:
         import uuid
 
-        from events.batches import BatchChannel
-        from events.names import Keys
-        from events.payload import make_store
-        from events.publish import Publisher
-        from events.schema import Producer
+        from rollout_bus.events.batches import BatchChannel
+        from rollout_bus.events.names import Keys
+        from rollout_bus.events.payload import make_store
+        from rollout_bus.events.publish import Publisher
+        from rollout_bus.events.schema import Producer
 
         self.namespace = f"bench{uuid.uuid4().hex[:6]}"
         self.client = bus_client(self.url)
@@ -204,7 +204,7 @@ class StorePath:
     def stop(self) -> None:
         self.stop_flag.set()
         self.proc.join(30)
-        self.channel.sweep(0)
+        self.channel.delete_expired(0)
         clear = getattr(self.store, "clear_pool", None)
         if clear is not None:
             clear()
@@ -271,7 +271,7 @@ def main() -> None:
     verify = not args.no_verify
     wanted = [name for name in LABELS if name in set(args.only.split(","))]
 
-    from events.embedded import RedisServer
+    from rollout_bus.events.embedded import RedisServer
 
     tensors = make_tensors(args.mib)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

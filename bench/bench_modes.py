@@ -1,6 +1,6 @@
 """One-step-ahead and fully async against sync, in one run: speed-up against the ideal.
 
-Each mode runs the main job (``scripts.run.run_job``: controller, engine, executor and
+Each mode runs the main job (``launch.job.run_job``: controller, engine, executor and
 trainer processes on a private redis-server) with the same settings. From the sync run:
 ``rollout`` is the time a trainer waits for the batch it just asked for, ``train`` the rest
 of a step (the GRPO update, saving and publishing the weights, waiting until they are
@@ -26,13 +26,14 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from events.connection import connect  # noqa: E402
-from events.embedded import private_redis  # noqa: E402
-from events.names import Keys  # noqa: E402
-from events.replay import page  # noqa: E402
-from events.schema import RolloutCompleted, TrainStepDone, decode  # noqa: E402
-from scripts.run import RunConfig, run_job  # noqa: E402
-from trainer.testing import shared_init_dir  # noqa: E402
+from rollout_bus.events.connection import connect  # noqa: E402
+from rollout_bus.events.embedded import private_redis  # noqa: E402
+from rollout_bus.events.names import Keys  # noqa: E402
+from rollout_bus.events.paging import page  # noqa: E402
+from rollout_bus.events.schema import RolloutCompleted, TrainStepDone, decode  # noqa: E402
+from rollout_bus.launch.config import RunConfig  # noqa: E402
+from rollout_bus.launch.job import run_job  # noqa: E402
+from tests.support.fake_rollouts import shared_init_dir  # noqa: E402
 
 
 @dataclass

@@ -25,18 +25,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.config import ControllerConfig  # noqa: E402
-from controller.service import InferenceController  # noqa: E402
-from controller.testing import write_version  # noqa: E402
-from controller.weights import verify  # noqa: E402
-from events.connection import connect  # noqa: E402
-from events.embedded import RedisServer  # noqa: E402
+from rollout_bus.controller.config import ControllerConfig  # noqa: E402
+from rollout_bus.controller.service import InferenceController  # noqa: E402
+from rollout_bus.controller.weights import verify  # noqa: E402
+from rollout_bus.events.connection import connect  # noqa: E402
+from rollout_bus.events.embedded import RedisServer  # noqa: E402
+from tests.support.controller_driver import write_version  # noqa: E402
 
 
 async def run(args: argparse.Namespace, workdir: Path) -> None:
     root = workdir / "weights"
     base = root / "base"
-    subprocess.run([sys.executable, "-m", "engine.init_weights", str(base), "--d-model", str(args.d_model),
+    subprocess.run([sys.executable, "-m", "rollout_bus.engine.init_weights", str(base), "--d-model", str(args.d_model),
                     "--n-layers", str(args.n_layers), "--d-ff", str(args.d_ff)], check=True,
                    cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL)
     size_mb = (base / "model.safetensors").stat().st_size / 1e6

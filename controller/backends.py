@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, ClassVar
 
-from events import processes
+from rollout_bus.events import processes
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def command(self, spec: LaunchSpec) -> list[str]:
-        cmd = [spec.python, "-m", "engine.server", "--host", spec.host, "--port", str(spec.port),
+        cmd = [spec.python, "-m", "rollout_bus.engine.server", "--host", spec.host, "--port", str(spec.port),
                "--model-path", spec.model_path, "--weight-version", str(spec.weight_version)]
         if spec.token_delay_ms:
             cmd += ["--token-delay-ms", f"{spec.token_delay_ms:g}"]

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from events.connection import Redis
-from events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import EngineRecord, PolicyRecord, Registry
-from events.replay import page
-from events.schema import Event, Producer, decode
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import EngineRecord, PolicyRecord, Registry
+from rollout_bus.events.schema import Event, Producer, decode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

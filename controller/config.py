@@ -1,6 +1,6 @@
 """The controller's configuration: one validated dataclass, no heavy imports.
 
-``scripts/controller.py`` parses flags into a ``ControllerConfig`` before it imports
+``rollout-bus controller`` (``controller.cli``) parses flags into a ``ControllerConfig`` before it imports
 anything that talks to Redis or engines, so ``--help`` and config errors are instant.
 ``validate`` reports every problem at once; ``from_mapping`` rejects unknown keys with
 the closest known one as a hint.
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from events.errors import InvalidRequest
-from events.names import DEFAULT_NAMESPACE, check_name
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name
 
 BackendName = Literal["cpu", "sglang"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -34,7 +34,7 @@ class ConfigError(InvalidRequest):
 
 @dataclass
 class ControllerConfig:
-    """Everything one controller instance needs; see ``scripts/controller.py --help``."""
+    """Everything one controller instance needs; see ``rollout-bus controller --help``."""
 
     # --- where -----------------------------------------------------------------------
     namespace: str = DEFAULT_NAMESPACE

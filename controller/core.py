@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
-from controller.bus import ControllerBus
-from controller.config import ControllerConfig
-from controller.metrics import ControllerMetrics
-from controller.state import EngineHandle
-from controller.versions import VersionBook
-from events.registry import EngineState, PolicyRecord
-from events.schema import Event, Producer
+from rollout_bus.controller.bus import ControllerBus
+from rollout_bus.controller.config import ControllerConfig
+from rollout_bus.controller.metrics import ControllerMetrics
+from rollout_bus.controller.state import EngineHandle
+from rollout_bus.controller.versions import VersionBook
+from rollout_bus.events.registry import EngineState, PolicyRecord
+from rollout_bus.events.schema import Event, Producer
 
 log = logging.getLogger(__name__)
 

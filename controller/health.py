@@ -1,6 +1,6 @@
 """Health checks: every engine at once, each bounded by one timeout.
 
-A sweep runs ``/health_generate`` on all engines concurrently (``asyncio.gather``), so
+A health round runs ``/health_generate`` on all engines concurrently (``asyncio.gather``), so
 its duration is that of the slowest check, at most ``timeout_s``: 32 engines with one
 hung take about one timeout, not 32. A healthy engine's load (running + queued
 requests from ``/server_info``) is read in the same task, best effort.
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.http_client import EngineClient, EngineHTTPError
+from rollout_bus.engine.http_client import EngineClient, EngineHTTPError
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ async def check_engine(engine_id: str, client: EngineClient, timeout_s: float, *
     return HealthResult(engine_id, True, latency, load=load)
 
 
-async def sweep(clients: Mapping[str, EngineClient], timeout_s: float, *,
+async def check_all(clients: Mapping[str, EngineClient], timeout_s: float, *,
                 with_load: bool = False) -> list[HealthResult]:
     """Check every engine concurrently; results in the order of ``clients``."""
     return list(await asyncio.gather(*(

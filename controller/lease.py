@@ -13,7 +13,7 @@ import os
 import socket
 import uuid
 
-from events.connection import Guard, Redis
+from rollout_bus.events.connection import Guard, Redis
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ import asyncio
 import logging
 from urllib.parse import urlsplit
 
-from controller.backends import Backend, LaunchSpec, ProcessHandle, launch
-from controller.core import Core
-from controller.state import EngineHandle
-from controller.updates import WeightUpdater
-from controller.versions import engine_versions
-from engine.http_client import EngineClient, EngineHTTPError
-from events.embedded import free_port
-from events.registry import EngineRecord, EngineState
-from events.schema import (
+from rollout_bus.controller.backends import Backend, LaunchSpec, ProcessHandle, launch
+from rollout_bus.controller.core import Core
+from rollout_bus.controller.state import EngineHandle
+from rollout_bus.controller.updates import WeightUpdater
+from rollout_bus.controller.versions import engine_versions
+from rollout_bus.engine.http_client import EngineClient, EngineHTTPError
+from rollout_bus.events.embedded import free_port
+from rollout_bus.events.registry import EngineRecord, EngineState
+from rollout_bus.events.schema import (
     EngineLaunching,
     EngineReady,
     EngineRestarting,

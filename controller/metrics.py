@@ -3,7 +3,7 @@
 Each ``ControllerMetrics`` owns its ``CollectorRegistry`` (no process-global state, so
 several controllers, in tests or side by side, never collide on metric names).
 ``serve(port)`` exposes them on ``/metrics``: engines per state, the latency of each
-health check (by outcome) and of each sweep, the duration of each weight update over
+health check (by outcome) and of each round over all engines, the duration of each weight update over
 all serving engines (by policy and outcome), weight-update failures, engine restarts.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from events.registry import EngineState
+from rollout_bus.events.registry import EngineState
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ class ControllerMetrics:
         self.health_check_seconds = Histogram(
             "rollout_bus_controller_health_check_seconds", "Latency of one /health_generate check",
             ["outcome"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.health_sweep_seconds = Histogram(
-            "rollout_bus_controller_health_sweep_seconds", "Duration of one sweep over all engines",
+        self.health_round_seconds = Histogram(
+            "rollout_bus_controller_health_round_seconds", "Duration of one health check round over all engines",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.weight_update_seconds = Histogram(
             "rollout_bus_controller_weight_update_seconds",

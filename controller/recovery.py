@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from events.registry import EngineRecord, EngineState
-from events.schema import (
+from rollout_bus.events.registry import EngineRecord, EngineState
+from rollout_bus.events.schema import (
     EngineLaunching,
     EngineOffloaded,
     EngineOnloaded,

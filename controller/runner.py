@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from controller.lease import Lease
+from rollout_bus.controller.lease import Lease
 
 log = logging.getLogger(__name__)
 

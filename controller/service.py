@@ -3,7 +3,7 @@
 Lifecycle: ``start()`` rebuilds the view (engine event log + registry + each engine's
 ``/model_info``; the base policy gets a launch record when the registry has none),
 adopts live engines, replaces dead ones it launched, launches the missing ones, then
-runs three loops: health sweeps, ``WeightsPublished`` intake and
+runs three loops: health checks, ``WeightsPublished`` intake and
 offload/onload commands. ``stop()`` ends the loops and, unless told to keep them,
 stops the engines it launched. Only one instance per namespace should be started:
 ``controller.runner`` holds the lease that ensures it.
@@ -18,24 +18,24 @@ import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from controller.backends import ProcessHandle, make_backend, pid_alive
-from controller.bus import ControllerBus
-from controller.config import OFFLOAD_TAGS, ControllerConfig
-from controller.core import Core
-from controller.health import sweep
-from controller.lifecycle import Lifecycle, adopted_engine_id
-from controller.metrics import ControllerMetrics
-from controller.recovery import KnownEngine, fold_engine_log, merge_registry
-from controller.state import EngineHandle
-from controller.updates import WeightUpdater
-from controller.versions import Target, engine_versions
-from controller.weights import BadWeights, verify
-from engine.http_client import EngineClient, EngineHTTPError, close_shared_session
-from events.connection import Redis
-from events.errors import InvalidRequest
-from events.names import Keys
-from events.registry import EngineState, PolicyRecord
-from events.schema import (
+from rollout_bus.controller.backends import ProcessHandle, make_backend, pid_alive
+from rollout_bus.controller.bus import ControllerBus
+from rollout_bus.controller.config import OFFLOAD_TAGS, ControllerConfig
+from rollout_bus.controller.core import Core
+from rollout_bus.controller.health import check_all
+from rollout_bus.controller.lifecycle import Lifecycle, adopted_engine_id
+from rollout_bus.controller.metrics import ControllerMetrics
+from rollout_bus.controller.recovery import KnownEngine, fold_engine_log, merge_registry
+from rollout_bus.controller.state import EngineHandle
+from rollout_bus.controller.updates import WeightUpdater
+from rollout_bus.controller.versions import Target, engine_versions
+from rollout_bus.controller.weights import BadWeights, verify
+from rollout_bus.engine.http_client import EngineClient, EngineHTTPError, close_shared_session
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.names import Keys
+from rollout_bus.events.registry import EngineState, PolicyRecord
+from rollout_bus.events.schema import (
     EngineOffloaded,
     EngineOnloaded,
     EngineServing,
@@ -239,9 +239,9 @@ class InferenceController:
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.health_interval_s)
-            await self.health_sweep()
+            await self.check_health()
 
-    async def health_sweep(self) -> None:
+    async def check_health(self) -> None:
         """Check every serving engine (and every adopted unhealthy one) concurrently, once."""
         cfg = self.config
         candidates = {h.engine_id: h for h in self.engines.values()
@@ -253,9 +253,9 @@ class InferenceController:
         ops = {eid: self.core.ops(h) for eid, h in candidates.items()}
         loop = asyncio.get_running_loop()
         started = loop.time()
-        results = await sweep({eid: h.client for eid, h in candidates.items()}, cfg.health_timeout_s,
+        results = await check_all({eid: h.client for eid, h in candidates.items()}, cfg.health_timeout_s,
                               with_load=True)
-        self.core.metrics.health_sweep_seconds.observe(loop.time() - started)
+        self.core.metrics.health_round_seconds.observe(loop.time() - started)
         loaded: list[EngineHandle] = []
         for result in results:
             h = candidates[result.engine_id]
@@ -279,7 +279,7 @@ class InferenceController:
             if h.failures >= cfg.health_failure_threshold or h.process_dead():
                 self.core.spawn(self._failed(h, f"health check failed {h.failures} times: {result.reason}"),
                                 f"fail-{h.engine_id}")
-        await self.core.bus.put_engines(h.record for h in loaded)  # new loads: one round trip per sweep
+        await self.core.bus.put_engines(h.record for h in loaded)  # new loads: one round trip per health round
 
     async def _failed(self, h: EngineHandle, reason: str) -> None:
         await self.lifecycle.fail(h, reason)

@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from controller.backends import ProcessHandle
-from engine.http_client import EngineClient
-from events.errors import Failure
-from events.registry import EngineRecord, EngineState
+from rollout_bus.controller.backends import ProcessHandle
+from rollout_bus.engine.http_client import EngineClient
+from rollout_bus.events.errors import Failure
+from rollout_bus.events.registry import EngineRecord, EngineState
 
 S = EngineState
 

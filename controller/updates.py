@@ -37,13 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from controller.core import Core
-from controller.state import EngineHandle
-from controller.versions import Target, lora_name_for
-from controller.weights import BadWeights, Shapes, reference_shapes, verify
-from engine.http_client import EngineHTTPError
-from events.registry import EngineState, PolicyRecord
-from events.schema import (
+from rollout_bus.controller.core import Core
+from rollout_bus.controller.state import EngineHandle
+from rollout_bus.controller.versions import Target, lora_name_for
+from rollout_bus.controller.weights import BadWeights, Shapes, reference_shapes, verify
+from rollout_bus.engine.http_client import EngineHTTPError
+from rollout_bus.events.registry import EngineState, PolicyRecord
+from rollout_bus.events.schema import (
     WeightsApplied,
     WeightsPublished,
     WeightUpdateFailed,

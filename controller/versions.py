@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.http_client import parse_version
+from rollout_bus.engine.http_client import parse_version
 
 
 def lora_name_for(policy: str, base_policy: str) -> str | None:

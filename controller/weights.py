@@ -15,9 +15,9 @@ import struct
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from controller.versions import Target
-from events.errors import Failure
-from lm.files import sha256_file, weights_file
+from rollout_bus.controller.versions import Target
+from rollout_bus.events.errors import Failure
+from rollout_bus.lm.files import sha256_file, weights_file
 
 MAX_HEADER_BYTES = 100 << 20
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from events.errors import Failure
+from rollout_bus.events.errors import Failure
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lm.model import ModelConfig, build_model, save_weights
+from rollout_bus.lm.model import ModelConfig, build_model, save_weights
 
 
 def init_weights_dir(directory: str | os.PathLike[str], config: ModelConfig | None = None, seed: int = 0) -> Path:

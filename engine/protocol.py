@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
-from engine.errors import BadRequest
-from lm.model import ModelConfig
+from rollout_bus.engine.errors import BadRequest
+from rollout_bus.lm.model import ModelConfig
 
 DEFAULT_MAX_NEW_TOKENS = 128
 FIT = -1  # max_new_tokens not given: as many as fit in max_seq_len, at most DEFAULT_MAX_NEW_TOKENS

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sequence import Progress
-from lm.tokenizer import decode
+from rollout_bus.engine.sequence import Progress
+from rollout_bus.lm.tokenizer import decode
 
 
 def generate_reply(progress: Progress) -> dict[str, Any]:

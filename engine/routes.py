@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.errors import BadRequest, EngineError, Unavailable
-from engine.protocol import (
+from rollout_bus.engine.errors import BadRequest, EngineError, Unavailable
+from rollout_bus.engine.protocol import (
     BASE_WEIGHT_SET,
     SamplingParams,
     SequenceSpec,
@@ -29,11 +29,11 @@ from engine.protocol import (
     parse_pause_mode,
     reject_unknown,
 )
-from engine.replies import generate_reply
-from engine.runtime import ENGINE_VERSION, Engine
-from engine.sequence import Progress, Seq
-from engine.weights import WeightUpdate, read_weights
-from lm.tokenizer import BOS_ID
+from rollout_bus.engine.replies import generate_reply
+from rollout_bus.engine.runtime import ENGINE_VERSION, Engine
+from rollout_bus.engine.sequence import Progress, Seq
+from rollout_bus.engine.weights import WeightUpdate, read_weights
+from rollout_bus.lm.tokenizer import BOS_ID
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import logging
 
 import torch
 
-from engine.args import EngineArgs
-from engine.protocol import BASE_WEIGHT_SET
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.weights import WeightStore, WeightUpdate, read_weights
+from rollout_bus.engine.args import EngineArgs
+from rollout_bus.engine.protocol import BASE_WEIGHT_SET
+from rollout_bus.engine.scheduler import Scheduler, SchedulerConfig
+from rollout_bus.engine.weights import WeightStore, WeightUpdate, read_weights
 
 logger = logging.getLogger(__name__)
 

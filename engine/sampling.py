@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from engine.protocol import SamplingParams
+from rollout_bus.engine.protocol import SamplingParams
 
 
 def sample_next(

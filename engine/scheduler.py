@@ -24,13 +24,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.errors import BadRequest, Unavailable
-from engine.protocol import PauseMode
-from engine.sampling import sample_next
-from engine.sequence import Seq, abort_reason, finish_reason_after
-from engine.weights import WeightSet, WeightStore, WeightUpdate
-from lm.kv_cache import KVCache
-from lm.model import pad_batch
+from rollout_bus.engine.errors import BadRequest, Unavailable
+from rollout_bus.engine.protocol import PauseMode
+from rollout_bus.engine.sampling import sample_next
+from rollout_bus.engine.sequence import Seq, abort_reason, finish_reason_after
+from rollout_bus.engine.weights import WeightSet, WeightStore, WeightUpdate
+from rollout_bus.lm.kv_cache import KVCache
+from rollout_bus.lm.model import pad_batch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

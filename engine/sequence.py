@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from engine.protocol import SamplingParams, SequenceSpec
-from lm.kv_cache import KVCache
-from lm.tokenizer import EOS_ID, decode
+from rollout_bus.engine.protocol import SamplingParams, SequenceSpec
+from rollout_bus.lm.kv_cache import KVCache
+from rollout_bus.lm.tokenizer import EOS_ID, decode
 
 logger = logging.getLogger(__name__)
 

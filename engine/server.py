@@ -6,7 +6,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from engine.args import parse_args
+from rollout_bus.engine.args import parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -17,14 +17,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from aiohttp import web
 
-    from engine.errors import EngineError
-    from engine.routes import build_app
-    from engine.runtime import Engine
+    from rollout_bus.engine.errors import EngineError
+    from rollout_bus.engine.routes import build_app
+    from rollout_bus.engine.runtime import Engine
 
     try:
         engine = Engine(args)
     except (EngineError, OSError, ValueError) as exc:
-        logging.getLogger("engine.server").error("cannot start: %s", exc)
+        logging.getLogger("rollout_bus.engine.server").error("cannot start: %s", exc)
         return 2
     web.run_app(
         build_app(engine),

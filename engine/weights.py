@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError
 from torch import Tensor
 
-from engine.errors import BadRequest
-from engine.protocol import BASE_WEIGHT_SET
-from lm.model import (
+from rollout_bus.engine.errors import BadRequest
+from rollout_bus.engine.protocol import BASE_WEIGHT_SET
+from rollout_bus.lm.model import (
     ModelConfig,
     TinyLM,
     check_state,

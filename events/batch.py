@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
-from events.errors import ChecksumMismatch, DecodeError, InvalidRequest, PayloadTooLarge
+from rollout_bus.events.errors import ChecksumMismatch, DecodeError, InvalidRequest, PayloadTooLarge
 
 MAGIC = b"RBB\x00"
 FORMAT_VERSION = 1

@@ -4,10 +4,10 @@ Publishing writes the payload, then one Lua script appends the event (deduplicat
 batch id), records the groups that must read it (the stream's registered groups at that
 moment) under ``keys.payload_readers(ref)`` and indexes the ref by time. Each group calls
 ``release`` after it has used (and acked) the batch; the last release deletes the payload
-(atomically in the script for the redis store, right after it for file stores). ``sweep``
+(atomically in the script for the redis store, right after it for file stores). ``delete_expired``
 deletes payloads older than an age whatever their readers (a group that died, a crash
 between ack and release), and redis payloads carry a TTL besides, so no orphan lives
-forever. The index and sweep use the Redis server's clock, not the hosts'.
+forever. The index and ``delete_expired`` use the Redis server's clock, not the hosts'.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any
 
 import redis
 
-from events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
-from events.connection import Guard, as_str
-from events.errors import DecodeError, PayloadMissing
-from events.names import Keys, check_name
-from events.payload import make_store
-from events.payload.base import PayloadStore, Reference, check_ref, make_ref
-from events.publish import Publisher
-from events.schema import BatchReady, Producer
-from events.schema import encode as encode_event
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
+from rollout_bus.events.connection import Guard, as_str
+from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.names import Keys, check_name
+from rollout_bus.events.payload import make_store
+from rollout_bus.events.payload.base import PayloadStore, Reference, check_ref, make_ref
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import BatchReady, Producer
+from rollout_bus.events.schema import encode as encode_event
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class BatchChannel:
         return {as_str(m) for m in members}
 
     # --- housekeeping ------------------------------------------------------------------
-    def sweep(self, max_age_s: float, *, limit: int = 1000) -> int:
+    def delete_expired(self, max_age_s: float, *, limit: int = 1000) -> int:
         """Delete payloads published more than ``max_age_s`` ago, read or not; returns how many."""
         sec, usec = self.guard.call(lambda c: c.time())
         cutoff_ms = int(sec) * 1000 + int(usec) // 1000 - int(max_age_s * 1000)
@@ -201,7 +201,7 @@ class BatchChannel:
                                                               start=0, num=limit))
             for raw in refs:
                 ref = as_str(raw)
-                log.warning("sweeping payload %s: not released by every group within %.0fs", ref, max_age_s)
+                log.warning("deleting payload %s: not released by every group within %.0fs", ref, max_age_s)
                 self.store.delete(self.store.locate(ref))
 
                 def forget(c: redis.Redis, r: str = ref) -> None:
@@ -213,7 +213,7 @@ class BatchChannel:
                 removed += 1
             if len(refs) < limit:
                 break
-        removed += self.store.sweep(max_age_s)
+        removed += self.store.delete_expired(max_age_s)
         return removed
 
 

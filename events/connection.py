@@ -25,7 +25,7 @@ from hiredis import pack_command as _pack_command
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from events.errors import BusUnavailable, RedisCommandError
+from rollout_bus.events.errors import BusUnavailable, RedisCommandError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,10 +21,11 @@ from typing import Any
 import msgpack
 import redis
 
-from events.connection import Guard, Lane, as_str, is_busygroup, pack, raise_errors
-from events.errors import DecodeError, RedisCommandError
-from events.names import Keys
-from events.schema import Event, decode
+from rollout_bus.events.connection import Guard, Lane, as_str, is_busygroup, pack, raise_errors
+from rollout_bus.events.errors import DecodeError, RedisCommandError
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import stream_entries
+from rollout_bus.events.schema import Event, decode
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +86,7 @@ class Consumer:
     # --- group management -------------------------------------------------------------
     def ensure_group(self) -> None:
         """Create the group (idempotent) and register it as a reader the stream must keep entries for."""
-        def create(c: redis.Redis) -> None:
-            try:
-                c.xgroup_create(self.stream, self.group, id=self.config.start_id, mkstream=True)
-            except redis.ResponseError as exc:
-                if not is_busygroup(exc):
-                    raise
-            c.sadd(self.keys.registered_groups(self.stream), self.group)
-        self.guard.call(create)
+        self.guard.call(lambda c: register_group(c, self.keys, self.stream, self.group, self.config.start_id))
         self._group_ready = True
 
     # --- reading ----------------------------------------------------------------------
@@ -142,11 +136,7 @@ class Consumer:
             return self._xreadgroup_direct(start, count, block)
         reply = self._call_with_acks(lambda c: c.xreadgroup(
             self.group, self.name, {self.stream: start}, count=count, block=block))
-        if not reply:
-            return []
-        if isinstance(reply, dict):  # RESP3 shape: {stream: [[id, fields], ...]}
-            return [(e[0], e[1]) for entries in reply.values() for e in entries]
-        return [(e[0], e[1]) for e in reply[0][1]]
+        return [(e.entry_id, e.fields) for e in stream_entries(reply)]
 
     def _xreadgroup_direct(self, start: str, count: int, block: int | None) -> list[tuple[Any, Any]]:
         """``_xreadgroup`` on the lane: the pending acks (XACK first) and the read in one packed send."""
@@ -161,7 +151,7 @@ class Consumer:
         replies = self.guard.call(lambda c: raise_errors(self._lane.execute(packed, 2 if acks else 1)))
         if acks:
             self._unacked = []
-        return _stream_entries(replies[-1])
+        return [(e.entry_id, e.fields) for e in stream_entries(replies[-1])]
 
     def _autoclaim(self, count: int) -> list[tuple[Any, Any]]:
         """Take over entries idle for ``claim_idle_ms``, resuming the scan where the last one stopped.
@@ -337,17 +327,19 @@ def dead_letter_fields(stream: str, group: str, consumer: str, entry_id: str, fi
     }
 
 
-def _stream_entries(reply: Any) -> list[tuple[Any, Any]]:
-    """(id, fields) of each entry of a raw XREADGROUP reply of one stream; fields as a map, ``{}`` when trimmed."""
-    if not reply:
-        return []
-    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]  # RESP3 map, RESP2 array
-    out: list[tuple[Any, Any]] = []
-    for entry_id, flat in entries:
-        if not flat:  # nil: trimmed while pending
-            out.append((entry_id, {}))
-        elif len(flat) == 2:
-            out.append((entry_id, {flat[0]: flat[1]}))
-        else:
-            out.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
-    return out
+def create_group(c: redis.Redis, stream: str, group: str, start_id: str = "$") -> bool:
+    """``XGROUP CREATE ... MKSTREAM``; False when the group exists already (other errors raise)."""
+    try:
+        c.xgroup_create(stream, group, id=start_id, mkstream=True)
+    except redis.ResponseError as exc:
+        if not is_busygroup(exc):
+            raise
+        return False
+    return True
+
+
+def register_group(c: redis.Redis, keys: Keys, stream: str, group: str, start_id: str = "$") -> bool:
+    """Create ``group`` if needed and register it as a reader that ``stream`` must keep entries for."""
+    created = create_group(c, stream, group, start_id)
+    c.sadd(keys.registered_groups(stream), group)
+    return created

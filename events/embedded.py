@@ -8,7 +8,6 @@ directory, which is what the fault tests need.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -28,16 +27,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def find_redis_server(install: bool = False) -> str | None:
-    """Path of a ``redis-server`` binary; with ``install`` try apt (as root) when missing."""
-    found = shutil.which("redis-server")
-    if found or not install:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return None
-    log.warning("redis-server not found: installing it with apt-get")
-    subprocess.run(["apt-get", "update", "-qq"], check=False)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=False)
+def find_redis_server() -> str | None:
+    """Path of the ``redis-server`` binary on ``PATH`` (``scripts/setup.sh`` installs one where it can)."""
     return shutil.which("redis-server")
 
 
@@ -61,7 +52,8 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         binary = self.binary or find_redis_server()
         if binary is None:
-            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+            raise FileNotFoundError("redis-server is not installed: run scripts/setup.sh (as root it installs "
+                                    "it with apt), or apt-get install redis-server")
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="rollout-bus-redis-"))
             self._own_dir = True
@@ -172,8 +164,9 @@ class FakeTcpServer:
 
 def private_redis(data_dir: Path | None = None, appendonly: bool = False) -> RedisServer | FakeTcpServer:
     """A private Redis for a run: a real server when one can be had, else fakeredis over TCP."""
-    binary = find_redis_server(install=True)
+    binary = find_redis_server()
     if binary is not None:
         return RedisServer(binary=binary, data_dir=data_dir, appendonly=appendonly).start()
-    log.warning("no redis-server binary and none could be installed: falling back to fakeredis (slow)")
+    log.warning("no redis-server binary on PATH (scripts/setup.sh installs one where it can): falling back to "
+                "fakeredis (slow)")
     return FakeTcpServer().start()

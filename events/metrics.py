@@ -5,7 +5,7 @@ multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` is set). ``bus_snapshot`` re
 namespace's streams (XLEN, XINFO GROUPS: lag, pending, consumers), dead letters, rq
 queues and registry; ``BusCollector`` turns each scrape into gauges from a fresh
 snapshot. Register the collector in one process per namespace (the status exporter,
-``scripts/status.py --serve-metrics PORT``), not in every role, or series repeat.
+``rollout-bus status --serve-metrics PORT``), not in every role, or series repeat.
 Reading is all it does: it works with the read-only ``status`` ACL user.
 """
 
@@ -25,12 +25,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from rq import Queue
 
-from events.connection import Guard, ReconnectPolicy, as_str
-from events.errors import BusError
-from events.logexport import discover_streams
-from events.logfile import logical_stream
-from events.names import Keys
-from events.registry import EngineRecord, PolicyRecord, Registry
+from rollout_bus.events.connection import Guard, ReconnectPolicy, as_str
+from rollout_bus.events.errors import BusError
+from rollout_bus.events.names import Keys, logical_stream
+from rollout_bus.events.paging import discover_streams
+from rollout_bus.events.registry import EngineRecord, PolicyRecord, Registry
 
 log = logging.getLogger(__name__)
 LAG_SCAN_CAP = 1_000

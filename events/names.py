@@ -103,7 +103,7 @@ class Keys:
 
     @property
     def payload_index(self) -> str:
-        """Sorted set of live payload refs by creation time (ms), for the orphan sweep."""
+        """Sorted set of live payload refs by creation time (ms), for ``BatchChannel.delete_expired``."""
         return self._k("payload-index")
 
     def registered_groups(self, stream: str) -> str:
@@ -144,3 +144,43 @@ class Keys:
     @property
     def eval_queue(self) -> str:
         return f"rb.{self.namespace}.eval"
+
+
+# --- logical stream names: a stream named without its namespace (logs, metrics) ---------------
+
+BATCHES = "batches/"
+"""Prefix of the logical name of a policy's batch stream: ``batches/<policy>``."""
+
+
+def _fixed_streams(keys: Keys) -> dict[str, str]:
+    return {
+        "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
+        "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
+    }
+
+
+def logical_stream(keys: Keys, key: str) -> str:
+    """The namespace-free name of stream ``key`` (``engines``, ``batches/p0``...)."""
+    for name, stream in _fixed_streams(keys).items():
+        if stream == key:
+            return name
+    policy = key.rsplit(":", 1)[-1]
+    if keys.batch_stream(policy) == key:
+        return BATCHES + policy
+    raise ValueError(f"{key!r} is not a stream of namespace {keys.namespace!r}")
+
+
+def stream_key(keys: Keys, logical: str) -> str:
+    """The Redis key of logical stream ``logical`` in ``keys``' namespace."""
+    if logical.startswith(BATCHES):
+        return keys.batch_stream(logical[len(BATCHES):])
+    try:
+        return _fixed_streams(keys)[logical]
+    except KeyError:
+        raise ValueError(f"unknown logical stream {logical!r}") from None
+
+
+def batch_stream_pattern(keys: Keys) -> str:
+    """A SCAN pattern matching every batch stream of the namespace."""
+    probe = keys.batch_stream("_")
+    return probe[: -len("_")] + "*"

@@ -9,9 +9,9 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from events.connection import Guard, Lane, as_str, pack, raise_errors
-from events.names import Keys
-from events.schema import FIELD, Event, Producer, encode_bytes
+from rollout_bus.events.connection import Guard, Lane, as_str, pack, raise_errors
+from rollout_bus.events.names import Keys
+from rollout_bus.events.schema import FIELD, Event, Producer, encode_bytes
 
 log = logging.getLogger(__name__)
 

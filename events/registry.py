@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import msgpack
 import redis
 
-from events.connection import Guard
-from events.names import Keys
+from rollout_bus.events.connection import Guard
+from rollout_bus.events.names import Keys
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

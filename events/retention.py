@@ -13,8 +13,8 @@ from typing import Any
 
 import redis
 
-from events.connection import Guard
-from events.names import Keys
+from rollout_bus.events.connection import Guard
+from rollout_bus.events.names import Keys
 
 
 @dataclass(frozen=True, order=True)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
 
-from events.errors import DecodeError, InvalidRequest
+from rollout_bus.events.errors import DecodeError, InvalidRequest
 
 SCHEMA_VERSION = 1
 FIELD = b"e"
@@ -272,6 +272,11 @@ class TrainStepDone(Event):
     step: int
     weight_version: int
     metrics: dict[str, float]
+    """Free-form step metrics; ``staleness_n<k>`` counts the step's samples ``k`` versions behind."""
+
+
+STALENESS_PREFIX = "staleness_n"
+"""``TrainStepDone.metrics`` key prefix of the staleness histogram (``staleness_n0``, ``staleness_n1``...)."""
 
 
 # --- encoding --------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from events.batch import Batch, Ragged
-from events.errors import DecodeError
+from rollout_bus.events.batch import Batch, Ragged
+from rollout_bus.events.errors import DecodeError
 
 SCHEMA = "train_data/1"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from events.names import DEFAULT_NAMESPACE
-from executor.engines import RouterConfig
-from executor.plugins import PluginConfig
-from executor.rollout import RolloutConfig
+from rollout_bus.events.names import DEFAULT_NAMESPACE
+from rollout_bus.executor.engines import RouterConfig
+from rollout_bus.executor.plugins import PluginConfig
+from rollout_bus.executor.rollout import RolloutConfig
 
 QUEUE_KINDS = ("rollout", "eval")
 

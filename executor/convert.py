@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from events.train_data import RAGGED_FIELDS, TrainData, group_normalise, ragged
-from executor.sample import Sample, Status
+from rollout_bus.events.train_data import RAGGED_FIELDS, TrainData, group_normalise, ragged
+from rollout_bus.executor.sample import Sample, Status
 
 
 def to_train_data(samples: Sequence[Sample], *, rollout_id: int, std_normalise: bool = False,

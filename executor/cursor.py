@@ -24,10 +24,10 @@ from typing import Any
 
 import msgpack
 
-from events.connection import Guard, Redis
-from events.names import Keys
-from executor.errors import DataError
-from executor.plugins import DataSource
+from rollout_bus.events.connection import Guard, Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.executor.errors import DataError
+from rollout_bus.executor.plugins import DataSource
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,14 @@ class CursorStore:
     def key(self, policy: str, source: DataSource) -> str:
         return self.keys.data_cursor(policy, source.name)
 
-    def reserve(self, key: str, source: DataSource, rid: str, round_: int, n: int) -> list[Item]:
-        """The items of round ``round_`` of request ``rid``: drawn now, or the ones drawn before."""
+    def reserve(self, key: str, source: DataSource, rid: str, round_: int, n: int,
+                returned: list[Item] | None = None) -> list[Item]:
+        """The items of round ``round_`` of request ``rid``: drawn now, or the ones drawn before.
+
+        ``returned`` (items the request gives back to the source) joins the source's returned
+        items in the same transaction as round 0's reservation, so a retried request, which
+        finds that reservation, never gives them back twice.
+        """
         field = f"r:{rid}:{round_}"
         drawn: list[Item] = []
 
@@ -71,9 +77,11 @@ class CursorStore:
                 drawn[:] = _unpack(reserved, [])
                 return
             source.load(_unpack(state_raw, None))
-            returned = _unpack(returned_raw, [])
-            if returned:
-                source.add_samples(returned)
+            back = _unpack(returned_raw, [])
+            if round_ == 0 and returned:
+                back = _merge(back, returned)
+            if back:
+                source.add_samples(back)
             items = list(source.get_samples(n))
             new_state = _pack(source.save())
             packed = _pack(items)
@@ -102,21 +110,6 @@ class CursorStore:
     def release(self, key: str, rid: str, *, drop: bool | Collection[int] = False) -> int:
         """After ``rid`` failed for good: return its reserved items, except ``drop`` (True: all, or indices)."""
         return self._settle(key, rid, used_only=False, drop=drop)
-
-    def give_back(self, key: str, items: list[Item]) -> int:
-        """Append ``items`` to the returned prompts (they go out first); an index already there is skipped."""
-        added = [0]
-
-        def append(pipe: Any) -> None:
-            current = _unpack(pipe.hget(key, RETURNED), [])
-            merged = _merge(current, items)
-            added[0] = len(merged) - len(current)
-            pipe.multi()
-            pipe.hset(key, RETURNED, _pack(merged))
-
-        if items:
-            self.guard.call(lambda c: c.transaction(append, key))
-        return added[0]
 
     def reservations(self, key: str, rid: str) -> list[str]:
         return _reservation_fields(self.guard.call(lambda c: c.hkeys(key)), rid)

@@ -25,10 +25,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from engine.http_client import EngineClient, EngineHTTPError, parse_version
-from events.registry import EngineRecord, Registry
-from executor.errors import EngineRejected, EnginesFailed, NoServingEngine
-from executor.sample import Generation
+from rollout_bus.engine.http_client import EngineClient, EngineHTTPError, parse_version
+from rollout_bus.events.registry import EngineRecord, Registry
+from rollout_bus.executor.errors import EngineRejected, EnginesFailed, NoServingEngine
+from rollout_bus.executor.sample import Generation
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ transient and the job is retried while it has retries left.
 
 from __future__ import annotations
 
-from events.errors import Failure
+from rollout_bus.events.errors import Failure
 
 
 class RolloutError(Failure):

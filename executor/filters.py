@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from executor.plugins import FilterResult
-from executor.sample import Sample, Status
+from rollout_bus.executor.plugins import FilterResult
+from rollout_bus.executor.sample import Sample, Status
 
 
 def nonzero_reward_std(samples: Sequence[Sample]) -> FilterResult:

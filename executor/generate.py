@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from executor.engines import EngineCaller, EngineTime
-from executor.plugins import Tokenizer
-from executor.request import RolloutRequest
-from executor.sample import Generation, Sample
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.executor.engines import EngineCaller, EngineTime
+from rollout_bus.executor.plugins import Tokenizer
+from rollout_bus.executor.sample import Generation, Sample
 
 
 @dataclass

@@ -16,38 +16,45 @@ import contextvars
 import logging
 import socket
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rq.exceptions import AbandonedJobError
 from rq.job import Job, get_current_job
 
-from events.connection import Redis
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import Producer, RolloutFailed
-from executor.cursor import CursorStore
-from executor.errors import DataError
-
-if TYPE_CHECKING:
-    from executor.service import ExecutorService
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import Producer, RolloutFailed
+from rollout_bus.executor.cursor import CursorStore
+from rollout_bus.executor.errors import DataError
 
 log = logging.getLogger(__name__)
 
-_service: contextvars.ContextVar[ExecutorService | None] = contextvars.ContextVar("executor_service", default=None)
+
+class JobHost(Protocol):
+    """What a job needs of the worker running it (``executor.service.ExecutorService``)."""
+
+    producer: Producer
+    publisher: Publisher | None
+
+    def run_job(self, request_json: dict[str, Any], job: Job) -> dict[str, Any]: ...
 
 
-def bind(service: ExecutorService) -> contextvars.Token[ExecutorService | None]:
+_service: contextvars.ContextVar[JobHost | None] = contextvars.ContextVar("executor_service", default=None)
+
+
+def bind(service: JobHost) -> contextvars.Token[JobHost | None]:
     return _service.set(service)
 
 
-def unbind(token: contextvars.Token[ExecutorService | None]) -> None:
+def unbind(token: contextvars.Token[JobHost | None]) -> None:
     _service.reset(token)
 
 
-def current_service() -> ExecutorService:
+def current_service() -> JobHost:
     service = _service.get()
     if service is None:
-        raise RuntimeError("rollout jobs run only inside an executor worker (scripts/executor.py)")
+        raise RuntimeError("rollout jobs run only inside an executor worker (rollout-bus executor)")
     return service
 
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from events.metrics import serve_metrics
+from rollout_bus.events.metrics import serve_metrics
 
 if TYPE_CHECKING:
-    from events.train_data import TrainData
+    from rollout_bus.events.train_data import TrainData
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class ExecutorMetrics:
 
 def tensor_bytes(data: TrainData) -> int:
     """Bytes of the tensors a batch of ``data`` carries (ragged fields: values and offsets)."""
-    from events.batch import Ragged
+    from rollout_bus.events.batch import Ragged
 
     fields, _meta = data.to_tensors()
     tensors = [t for v in fields.values() for t in ((v.values, v.offsets) if isinstance(v, Ragged) else (v,))]

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 
-from events.batches import BatchChannel
-from events.connection import Guard, Redis
-from events.names import Keys
-from events.payload import make_store
-from events.publish import Publisher
-from events.schema import BatchReady
-from events.train_data import TrainData
-from executor.request import RolloutRequest
+from rollout_bus.events.batches import BatchChannel
+from rollout_bus.events.connection import Guard, Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload import make_store
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.schema import BatchReady
+from rollout_bus.events.train_data import TrainData
 
 log = logging.getLogger(__name__)
 

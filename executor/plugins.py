@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from executor.errors import PluginError
+from rollout_bus.executor.errors import PluginError
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +108,13 @@ def load_tokenizer(path: str) -> Tokenizer:
 class PluginConfig:
     """Dotted paths of the plug-ins and the options handed to them."""
 
-    data_source_path: str = "tasks.arithmetic.ArithmeticSource"
+    data_source_path: str = "rollout_bus.tasks.arithmetic.ArithmeticSource"
     data_source_args: dict[str, Any] = field(default_factory=dict)
-    generate_path: str = "executor.generate.single_turn"
-    reward_path: str = "tasks.arithmetic.exact_match"
+    generate_path: str = "rollout_bus.executor.generate.single_turn"
+    reward_path: str = "rollout_bus.tasks.arithmetic.exact_match"
     group_reward: bool = False
     filter_path: str | None = None
-    tokenizer_path: str = "lm.tokenizer"
+    tokenizer_path: str = "rollout_bus.lm.tokenizer"
 
 
 class Plugins:

@@ -20,15 +20,22 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.train_data import TrainData
-from executor.convert import sample_metrics, to_train_data
-from executor.cursor import CursorStore, Item
-from executor.engines import EngineCaller, EngineTime
-from executor.errors import DataError, DeadlineExceeded, FilterError, NoServingEngine, Permanent, RewardError
-from executor.generate import GenerateContext
-from executor.plugins import DataSource, FilterResult, Plugins
-from executor.request import RolloutRequest
-from executor.sample import Sample
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.train_data import TrainData
+from rollout_bus.executor.convert import sample_metrics, to_train_data
+from rollout_bus.executor.cursor import CursorStore, Item
+from rollout_bus.executor.engines import EngineCaller, EngineTime
+from rollout_bus.executor.errors import (
+    DataError,
+    DeadlineExceeded,
+    FilterError,
+    NoServingEngine,
+    Permanent,
+    RewardError,
+)
+from rollout_bus.executor.generate import GenerateContext
+from rollout_bus.executor.plugins import DataSource, FilterResult, Plugins
+from rollout_bus.executor.sample import Sample
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +102,7 @@ class RolloutRunner:
             need = request.n_groups - len(kept)
             n_draw = max(need, request.over_sample_groups or 0)
             items = await asyncio.to_thread(self.cursor.reserve, cursor_key, source, request.request_id,
-                                            round_, n_draw)
+                                            round_, n_draw, request.returned)
             if not items:
                 raise DataError(f"data source {source.name!r} has no more prompts")
             groups = self._groups(items, request)

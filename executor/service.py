@@ -23,25 +23,25 @@ from typing import Any, TypeVar
 
 from rq.job import Job
 
-from engine.http_client import close_shared_session
-from events.connection import Redis, connect
-from events.errors import InvalidRequest
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import Registry
-from events.schema import Producer, RolloutCompleted, RolloutStarted
-from executor import jobs
-from executor.config import ExecutorConfig
-from executor.cursor import CursorStore
-from executor.engines import EngineCaller, EngineRouter, EngineTime
-from executor.errors import Permanent
-from executor.metrics import ExecutorMetrics
-from executor.output import BatchSink
-from executor.plugins import Plugins
-from executor.request import RolloutRequest
-from executor.rollout import RolloutRunner
-from executor.submit import queue_name, registry_policies, rq_queue
-from executor.worker import ExecutorWorker, Reaper
+from rollout_bus.engine.http_client import close_shared_session
+from rollout_bus.events.connection import Redis, connect
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import Registry
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.schema import Producer, RolloutCompleted, RolloutStarted
+from rollout_bus.events.submit import queue_name, registry_policies, rq_queue
+from rollout_bus.executor import jobs
+from rollout_bus.executor.config import ExecutorConfig
+from rollout_bus.executor.cursor import CursorStore
+from rollout_bus.executor.engines import EngineCaller, EngineRouter, EngineTime
+from rollout_bus.executor.errors import Permanent
+from rollout_bus.executor.metrics import ExecutorMetrics
+from rollout_bus.executor.output import BatchSink
+from rollout_bus.executor.plugins import Plugins
+from rollout_bus.executor.rollout import RolloutRunner
+from rollout_bus.executor.worker import ExecutorWorker, Reaper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

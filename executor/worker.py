@@ -29,8 +29,8 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
-from events import processes
-from events.connection import Redis
+from rollout_bus.events import processes
+from rollout_bus.events.connection import Redis
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from lm.files import CONFIG_FILE, config_file, weights_file
-from lm.kv_cache import KVCache
-from lm.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
+from rollout_bus.lm.files import CONFIG_FILE, config_file, weights_file
+from rollout_bus.lm.kv_cache import KVCache
+from rollout_bus.lm.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
 
 DeviceLike = str | torch.device
 PathLike = str | os.PathLike[str]

@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with its dev tools. torch 2.13.0 goes first:
-# its CPU wheel is what the project's range (torch>=2.13) then accepts as installed.
+# Create .venv and install the project with its dev tools; install redis-server where missing.
+#
+# torch 2.13.0 goes first (the CPU wheel): every later install runs under a constraints file
+# that pins it, so no dependency can pull another torch (or an unpinned torchvision's CUDA
+# wheels). Extras: EXTRAS="dev,models" scripts/setup.sh (default: dev).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
+EXTRAS=${EXTRAS:-dev}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "redis-server missing: installing it with apt-get"
+    apt-get update -qq && apt-get install -y -qq redis-server
+  else
+    echo "warning: redis-server is not installed (apt-get install redis-server); runs fall back to fakeredis" >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
+CONSTRAINTS=.venv/constraints.txt
+python - > "$CONSTRAINTS" <<'PY'
+import torch
+print(f"torch=={torch.__version__}")
+PY
+python -m pip install -q -c "$CONSTRAINTS" -e ".[${EXTRAS}]"

@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from lm import tokenizer
+from rollout_bus.lm import tokenizer
 
 
 class _Scored(Protocol):

@@ -9,9 +9,9 @@ import fakeredis
 import pytest
 import redis
 
-from events.connection import connect
-from events.embedded import RedisServer
-from events.names import Keys
+from rollout_bus.events.connection import connect
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
 
 
 @pytest.fixture(scope="module")

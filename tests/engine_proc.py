@@ -22,8 +22,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from engine.init_weights import init_weights_dir
-from lm.model import ModelConfig
+from rollout_bus.engine.init_weights import init_weights_dir
+from rollout_bus.lm.model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ class EngineProcess:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "engine.server",
+            sys.executable, "-m", "rollout_bus.engine.server",
             "--host", self.host, "--port", str(self.port), "--model-path", self.model_path,
             "--weight-version", self.weight_version, "--token-delay-ms", str(self.token_delay_ms),
             *self.extra_args,

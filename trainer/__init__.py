@@ -9,11 +9,13 @@ the modules:
   ``wait_serving``;
 - ``trainer.checkpoint.CheckpointStore`` / ``TrainerState``: atomic checkpoints with the
   trained batch ids;
-- ``trainer.staleness.split_stale``, ``trainer.requeue.Requeuer``, ``trainer.shards.shard``;
+- ``trainer.staleness.split_stale``, ``trainer.requeue.stale_items``, ``trainer.shards.shard``;
 - ``trainer.service.Trainer`` (config ``trainer.config.TrainerConfig``): the reference trainer,
   modes ``sync``, ``one-step`` and ``async``; ``trainer.learner`` / ``trainer.grpo``: its GRPO
   step with truncated importance sampling;
 - ``trainer.recorder.Recorder`` / ``read_recording``: a passive subscriber;
-- ``trainer.warmstart``, ``trainer.report``, ``trainer.procs``: what the main job
-  (``scripts/run.py``) is made of; ``trainer.testing``: a fake rollout service for tests.
+- ``trainer.cli``: ``rollout-bus trainer`` and ``rollout-bus record``.
+
+The rollout request a trainer sends is part of the bus contract (``events.rollouts``,
+``events.submit``); the trainer never touches executor state.
 """

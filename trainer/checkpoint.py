@@ -40,8 +40,8 @@ class TrainerState:
     """(step, batch id) of every trained batch, in order."""
     dropped: list[str] = field(default_factory=list)
     """Batch ids consumed without training (all stale, or not ours)."""
-    requeue: list[int] = field(default_factory=list)
-    """Prompt indices of stale groups waiting to be asked for again."""
+    returned: list[dict[str, Any]] = field(default_factory=list)
+    """Data-source items of stale groups, given back with the next rollout request."""
     counters: dict[str, float] = field(default_factory=dict)
     staleness_hist: dict[int, int] = field(default_factory=dict)
     """staleness -> trained samples."""

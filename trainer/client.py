@@ -18,18 +18,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from events.connection import Redis
-from events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
-from events.errors import DecodeError, PayloadMissing
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import BatchConsumed, BatchReady, Producer, TrainerJoined
-from events.train_data import TrainData
-from executor.request import RolloutRequest, SamplingParams
-from executor.submit import RolloutSubmitter, SubmitConfig
-from lm.tokenizer import EOS_ID
-from trainer.config import RolloutConfig
-from trainer.payloads import ChannelReader, PayloadReader
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
+from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+from rollout_bus.events.schema import BatchConsumed, BatchReady, Producer, TrainerJoined
+from rollout_bus.events.submit import RolloutSubmitter, SubmitConfig
+from rollout_bus.events.train_data import TrainData
+from rollout_bus.lm.tokenizer import EOS_ID
+from rollout_bus.trainer.config import RolloutConfig
+from rollout_bus.trainer.payloads import ChannelReader, PayloadReader
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +110,17 @@ class RolloutClient:
         suffix = f"-a{attempt}" if attempt > 1 else ""
         return f"{self.config.trainer_id.replace('.', '_')}-{run_id}-r{rollout_id}{suffix}"
 
-    def request(self, rollout_id: int, request_id: str, *, timeout_s: float | None = None) -> RolloutRequest:
-        """Queue rollout ``rollout_id`` under ``request_id`` (a repeat is a no-op)."""
+    def request(self, rollout_id: int, request_id: str, *, timeout_s: float | None = None,
+                returned: list[dict[str, Any]] | None = None) -> RolloutRequest:
+        """Queue rollout ``rollout_id`` under ``request_id`` (a repeat is a no-op); ``returned`` gives
+        data-source items back (see ``RolloutRequest.returned``)."""
         r = self.config.rollout
         request = RolloutRequest.create(
             self.config.policy, rollout_id, r.n_groups, r.n_samples_per_group,
             timeout_s=timeout_s if timeout_s is not None else r.timeout_s,
             sampling=SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens,
                                     stop_token_ids=(EOS_ID,)),
-            request_id=request_id, data=dict(r.data), std_normalise=r.std_normalise)
+            request_id=request_id, data=dict(r.data), std_normalise=r.std_normalise, returned=list(returned or []))
         self.submitter.submit(request)
         return request
 
@@ -200,5 +202,5 @@ class RolloutClient:
             idempotency_key=f"consumed.{self.config.group}.{batch.batch_id}")
         try:
             self.payloads.release(batch.event, self.config.group)
-        except Exception as exc:  # the payload store sweeps what is never released
+        except Exception as exc:  # ``delete_expired`` removes what is never released
             log.warning("batch %s: payload release failed: %s", batch.batch_id, exc)

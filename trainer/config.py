@@ -1,6 +1,6 @@
 """The trainer's configuration: validated dataclasses, no heavy imports.
 
-``scripts/trainer.py`` builds a ``TrainerConfig`` from its flags before it imports torch
+``rollout-bus trainer`` (``trainer.cli``) builds a ``TrainerConfig`` from its flags before it imports torch
 or anything that talks to Redis, so ``--help`` and config errors are instant. ``validate``
 reports every problem at once.
 """
@@ -11,8 +11,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from events.errors import InvalidRequest
-from events.names import DEFAULT_NAMESPACE, check_name
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name
 
 Mode = Literal["sync", "one-step", "async"]
 StalePolicy = Literal["drop", "requeue"]

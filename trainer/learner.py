@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from events.train_data import TrainData
-from lm.model import TinyLM, token_logprobs
-from lm.tokenizer import PAD_ID
-from trainer.config import LossSettings, OptimConfig
-from trainer.grpo import LossConfig, grpo_loss
+from rollout_bus.events.train_data import TrainData
+from rollout_bus.lm.model import TinyLM, token_logprobs
+from rollout_bus.lm.tokenizer import PAD_ID
+from rollout_bus.trainer.config import LossSettings, OptimConfig
+from rollout_bus.trainer.grpo import LossConfig, grpo_loss
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from events.batches import BatchChannel
-from events.connection import Redis
-from events.names import Keys
-from events.schema import BatchReady
-from events.train_data import TrainData
+from rollout_bus.events.batches import BatchChannel
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.events.schema import BatchReady
+from rollout_bus.events.train_data import TrainData
 
 
 class PayloadReader(Protocol):

@@ -23,14 +23,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from events.batch import Ragged
-from events.connection import Redis
-from events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
-from events.errors import DecodeError, PayloadMissing
-from events.names import Keys
-from events.schema import BatchReady
-from events.train_data import TrainData
-from trainer.payloads import ChannelReader, PayloadReader
+from rollout_bus.events.batch import Ragged
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
+from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.names import Keys
+from rollout_bus.events.schema import BatchReady
+from rollout_bus.events.train_data import TrainData
+from rollout_bus.trainer.payloads import ChannelReader, PayloadReader
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""Giving the prompts of stale groups back to the executors' data source.
+"""Giving the prompts of stale groups back to the data source.
 
-The data source's shared position lives in the cursor hash of ``(policy, source)``
-(see ``executor.cursor``); items in its ``returned`` field go out first in the next
-rollout. A stale group's item is rebuilt from the batch: its prompt index (the group
-index), prompt tokens and label.
+A stale group's item is rebuilt from the batch (its prompt index, which is the group
+index, its prompt tokens and label) and travels in the trainer's next rollout request
+(``RolloutRequest.returned``); the executor that serves it returns the items to the
+policy's data source, where they go out first.
 """
 
 from __future__ import annotations
@@ -11,11 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from events.connection import Redis
-from events.names import Keys
-from events.train_data import TrainData
-from executor.cursor import CursorStore
-from lm.tokenizer import decode
+from rollout_bus.events.train_data import TrainData
+from rollout_bus.lm.tokenizer import decode
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +35,3 @@ def stale_items(data: TrainData, groups: list[int]) -> list[Item]:
         items.append({"index": g, "prompt": decode(prompt_ids), "prompt_ids": prompt_ids,
                       "label": labels.get(g)})
     return items
-
-
-class Requeuer:
-    """Gives items back to a data-source cursor; they go out first in the next rollout."""
-
-    def __init__(self, client: Redis, keys: Keys) -> None:
-        self.keys = keys
-        self.cursor = CursorStore(client, keys)
-
-    def give_back(self, policy: str, source_name: str, items: list[Item]) -> int:
-        if not items:
-            return 0
-        added = self.cursor.give_back(self.keys.data_cursor(policy, source_name), items)
-        log.info("requeued %d stale prompt(s) of %s into %s", added, policy, source_name)
-        return len(items)

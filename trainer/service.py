@@ -21,36 +21,31 @@ republishes its version if the crash came before the announcement.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from events.connection import Redis
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import Producer, TrainStepDone
-from events.train_data import TrainData
-from lm.model import ModelConfig, TinyLM, load_config, load_model
-from trainer import metrics as m
-from trainer.checkpoint import CheckpointStore, TrainerState
-from trainer.client import ClientConfig, ReceivedBatch, RolloutClient
-from trainer.config import ConfigError, TrainerConfig
-from trainer.learner import Learner
-from trainer.report import STALENESS_PREFIX
-from trainer.requeue import Requeuer, stale_items
-from trainer.staleness import split_stale
-from trainer.weights import WeightPublisher
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import STALENESS_PREFIX, Producer, TrainStepDone
+from rollout_bus.events.train_data import TrainData
+from rollout_bus.lm.model import ModelConfig, TinyLM, load_config, load_model
+from rollout_bus.trainer import metrics as m
+from rollout_bus.trainer.checkpoint import CheckpointStore, TrainerState
+from rollout_bus.trainer.client import ClientConfig, ReceivedBatch, RolloutClient
+from rollout_bus.trainer.config import ConfigError, TrainerConfig
+from rollout_bus.trainer.learner import Learner
+from rollout_bus.trainer.requeue import stale_items
+from rollout_bus.trainer.staleness import split_stale
+from rollout_bus.trainer.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "ROLLOUT_BUS_TRAINER_FAULT"
-"""``crash-after-checkpoint:<step>``: SIGKILL itself right after that step's checkpoint (fault tests)."""
-
 StepHook = Callable[[TrainerState, dict[str, float]], None]
+CheckpointHook = Callable[[TrainerState], None]
 
 
 @dataclass
@@ -71,6 +66,9 @@ class Trainer:
         self.keys = keys or Keys(config.namespace)
         self.producer = Producer("trainer", f"{config.instance}-{config.trainer_id}")
         self.on_step: list[StepHook] = []
+        """Called after each step is acked, with the step's metrics."""
+        self.after_checkpoint: list[CheckpointHook] = []
+        """Called after each step's checkpoint is written and before its batch is acked."""
         # --- set by start() ---
         self.model: TinyLM | None = None
         self.learner: Learner | None = None
@@ -79,7 +77,6 @@ class Trainer:
         self.weights: WeightPublisher | None = None
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         self.publisher = Publisher(client, self.keys, self.producer)
-        self.requeuer = Requeuer(client, self.keys)
         self._timers = _Timers()
         self._labels = (config.policy, config.trainer_id)
         self._wait_ms = 0.0
@@ -186,7 +183,8 @@ class Trainer:
     def _request(self, rollout_id: int, attempt: int = 1) -> None:
         state, client = self._st(), self._cl()
         request_id = client.request_id(state.run_id, rollout_id, attempt)
-        client.request(rollout_id, request_id)
+        client.request(rollout_id, request_id, returned=state.returned)
+        state.returned = []
         state.in_flight[rollout_id] = request_id
         state.attempts[rollout_id] = attempt
         state.next_rollout_id = max(state.next_rollout_id, rollout_id + 1)
@@ -219,7 +217,7 @@ class Trainer:
         started = time.monotonic()
         deadline = started + self.config.get_timeout_s
         while True:
-            self._sweep()
+            self._ack_unneeded()
             batch = client.take(lambda b: self._ours(b) and (rollout_id is None or b.rollout_id == rollout_id))
             if batch is not None:
                 self._wait_ms = (time.monotonic() - started) * 1000
@@ -237,11 +235,11 @@ class Trainer:
         while not any(b.rollout_id == rollout_id and self._ours(b) for b in client.buffered()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no batch for rollout {rollout_id} after {self.config.get_timeout_s:.0f}s")
-            self._sweep()
+            self._ack_unneeded()
             self._resubmit_overdue()
             client.poll()
 
-    def _sweep(self) -> None:
+    def _ack_unneeded(self) -> None:
         """Ack what needs no training: batches the checkpoint lists, and batches that are not ours."""
         state, client = self._st(), self._cl()
         done = state.done_batch_ids()
@@ -287,12 +285,9 @@ class Trainer:
             state.count("stale_samples", split.stale_samples)
             m.STALE_GROUPS.labels(*self._labels, action).inc(len(split.stale_groups))
             if action == "requeue":
-                source = str(data.metadata.get("data_source", ""))
-                if source:
-                    state.count("requeued_groups", self.requeuer.give_back(
-                        cfg.policy, source, stale_items(data, split.stale_groups)))
-                else:
-                    log.warning("batch %s names no data source: its stale prompts are dropped", batch.batch_id)
+                items = stale_items(data, split.stale_groups)
+                state.returned.extend(items)  # they travel with the next request
+                state.count("requeued_groups", len(items))
         fresh = split.fresh
         if fresh is None:
             log.info("batch %s is entirely stale (%d versions behind): not trained", batch.batch_id,
@@ -336,7 +331,8 @@ class Trainer:
         if self.store is not None:
             self.store.save(state, self.model, learner.optimizer)
         metrics["save_ms"] = (time.perf_counter() - t1) * 1000
-        _maybe_crash(state.step)
+        for after in self.after_checkpoint:
+            after(state)
         client.ack(batch, staleness=batch_staleness, accepted=True)
         m.BATCHES.labels(*self._labels, "trained").inc()
         m.STEPS.labels(*self._labels).inc()
@@ -386,9 +382,3 @@ class Trainer:
             raise RuntimeError("Trainer.start() first")
         return self.learner
 
-
-def _maybe_crash(step: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec.startswith("crash-after-checkpoint:") and int(spec.split(":", 1)[1]) == step:
-        log.warning("fault injection: SIGKILL after the checkpoint of step %d", step)
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -11,7 +11,7 @@ Two ways for the ranks of one trainer to read its policy's batches:
 
 from __future__ import annotations
 
-from events.train_data import TrainData
+from rollout_bus.events.train_data import TrainData
 
 
 def shard(data: TrainData, rank: int, size: int) -> TrainData | None:

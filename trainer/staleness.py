@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from events.train_data import TrainData
+from rollout_bus.events.train_data import TrainData
 
 
 @dataclass

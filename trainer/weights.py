@@ -18,13 +18,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from events.connection import Guard, Redis
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import Registry
-from events.schema import Producer, WeightsPublished, WeightUpdateFailed, WeightVersionServing, decode
-from lm.files import sha256_file
-from lm.model import TinyLM, save_weights
+from rollout_bus.events.connection import Guard, Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import stream_entries
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import Registry
+from rollout_bus.events.schema import (
+    Producer,
+    WeightsPublished,
+    WeightUpdateFailed,
+    WeightVersionServing,
+    decode,
+)
+from rollout_bus.lm.files import sha256_file
+from rollout_bus.lm.model import TinyLM, save_weights
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +152,7 @@ class WeightPublisher:
             block_ms = max(1, int(min(remaining, 1.0) * 1000))
             reply: Any = self.guard.call(partial(_xread, stream=self.keys.weight_stream, after=cursor,
                                                  block_ms=block_ms))
-            for entry_id, fields in _entries(reply):
+            for _, entry_id, fields in stream_entries(reply):
                 cursor = entry_id
                 try:
                     event = decode(fields)
@@ -170,15 +177,3 @@ class WeightPublisher:
 def _xread(c: Redis, *, stream: str, after: str, block_ms: int) -> Any:
     return c.xread({stream: after}, count=64, block=block_ms)
 
-
-def _entries(reply: Any) -> list[tuple[str, Any]]:
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        rows = [e for entries in reply.values() for e in entries]
-    else:
-        rows = [e for _, entries in reply for e in entries]
-    out: list[tuple[str, Any]] = []
-    for entry_id, fields in rows:
-        out.append((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id), fields))
-    return out

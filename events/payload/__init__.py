@@ -13,12 +13,12 @@ from urllib.parse import parse_qsl
 
 import redis
 
-from events.errors import InvalidRequest
-from events.names import Keys
-from events.payload.base import PayloadBuffer, PayloadStore, Reference, check_ref, make_ref
-from events.payload.file import FileStore
-from events.payload.redis import DEFAULT_CHUNK_BYTES, RedisStore
-from events.payload.shm import DEFAULT_ROOT, ShmStore
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload.base import PayloadBuffer, PayloadStore, Reference, check_ref, make_ref
+from rollout_bus.events.payload.file import FileStore
+from rollout_bus.events.payload.redis import DEFAULT_CHUNK_BYTES, RedisStore
+from rollout_bus.events.payload.shm import DEFAULT_ROOT, ShmStore
 
 __all__ = ["FileStore", "PayloadBuffer", "PayloadStore", "RedisStore", "Reference", "ShmStore", "StoreSpec",
            "check_ref", "make_ref", "make_store"]

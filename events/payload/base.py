@@ -15,9 +15,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from events.batch import Buffer, EncodedBatch
-from events.errors import DecodeError
-from events.names import check_name
+from rollout_bus.events.batch import Buffer, EncodedBatch
+from rollout_bus.events.errors import DecodeError
+from rollout_bus.events.names import check_name
 
 Reference = dict[str, Any]
 PayloadBuffer = bytes | bytearray | memoryview
@@ -74,13 +74,13 @@ class PayloadStore(ABC):
     def delete(self, reference: Reference) -> None:
         """Remove the payload; a missing payload is not an error."""
 
-    def sweep(self, older_than_s: float) -> int:
+    def delete_expired(self, older_than_s: float) -> int:
         """Remove leftovers of this store older than ``older_than_s`` that no index knows of
         (half-written temp files); returns how many were removed."""
         return 0
 
     def locate(self, ref: str) -> Reference:
-        """A reference for ``ref`` rebuilt from the ref alone (for sweeping orphans)."""
+        """A reference for ``ref`` rebuilt from the ref alone (for deleting orphans)."""
         return {"store": self.name, "ref": check_ref(ref)}
 
     def redis_keys(self, reference: Reference) -> list[str]:

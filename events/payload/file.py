@@ -3,7 +3,7 @@
 A payload is written to a temp name and renamed into place, so a reader sees the whole
 file or nothing. Reads map the file copy-on-write (``MAP_PRIVATE``): tensors decode
 without copying, may be written to without touching the file, and stay valid after the
-file is deleted or replaced. Files carry no TTL: the channel's sweep removes old ones.
+file is deleted or replaced. Files carry no TTL: the channel's ``delete_expired`` removes old ones.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from events.batch import Buffer, EncodedBatch
-from events.errors import DecodeError, PayloadMissing
-from events.names import Keys
-from events.payload.base import PayloadBuffer, PayloadStore, Reference, check_ref, write_vectored
+from rollout_bus.events.batch import Buffer, EncodedBatch
+from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload.base import PayloadBuffer, PayloadStore, Reference, check_ref, write_vectored
 
 TMP_PREFIX = ".tmp-"
 
@@ -77,7 +77,7 @@ class FileStore(PayloadStore):
     def delete(self, reference: Reference) -> None:
         self.path(self._ref(reference)).unlink(missing_ok=True)
 
-    def sweep(self, older_than_s: float) -> int:
+    def delete_expired(self, older_than_s: float) -> int:
         """Remove payload and temp files last written more than ``older_than_s`` ago."""
         cutoff = time.time() - older_than_s
         removed = 0

@@ -19,11 +19,18 @@ from typing import Any, ClassVar
 import numpy as np
 import redis
 
-from events.batch import Buffer, EncodedBatch
-from events.errors import BusUnavailable, DecodeError, PayloadMissing, RedisCommandError
-from events.names import Keys
-from events.payload.base import PayloadBuffer, PayloadStore, Reference
-from events.payload.resp import Address, Arg, RespConnection, RespError, RespProtocolError, pack_command
+from rollout_bus.events.batch import Buffer, EncodedBatch
+from rollout_bus.events.errors import BusUnavailable, DecodeError, PayloadMissing, RedisCommandError
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload.base import PayloadBuffer, PayloadStore, Reference
+from rollout_bus.events.payload.resp import (
+    Address,
+    Arg,
+    RespConnection,
+    RespError,
+    RespProtocolError,
+    pack_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +133,7 @@ class RedisStore(PayloadStore):
             names = self._layout(reference)[3]
             self._call(lambda: self.client.delete(*names))
             return
-        start = 0  # chunk count unknown (a reference rebuilt by the sweep): delete until one is missing
+        start = 0  # chunk count unknown (a reference rebuilt by ``delete_expired``): delete until one is missing
         while True:
             names = [self.keys.payload_chunk(ref, i) for i in range(start, start + 64)]
             pipe = self.client.pipeline(transaction=False)

@@ -22,7 +22,7 @@ from typing import Any
 import redis
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
-from events.payload.base import write_vectored
+from rollout_bus.events.payload.base import write_vectored
 
 Arg = bytes | bytearray | memoryview | str | int
 Reply = bytes | int | None | list[Any]

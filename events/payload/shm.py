@@ -37,11 +37,11 @@ from typing import ClassVar, Literal
 
 import numpy as np
 
-from events.batch import EncodedBatch
-from events.errors import DecodeError, PayloadMissing
-from events.names import Keys
-from events.payload.base import PayloadBuffer, Reference
-from events.payload.file import FileStore
+from rollout_bus.events.batch import EncodedBatch
+from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload.base import PayloadBuffer, Reference
+from rollout_bus.events.payload.file import FileStore
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ShmStore(FileStore):
         try:
             mapping = self._mapping(fd, size)
             batch.write_into(mapping.mm)  # no view of the mapping outlives this call
-            os.utime(fd)  # writes through a warm mapping do not touch mtime; the sweep reads it
+            os.utime(fd)  # writes through a warm mapping do not touch mtime; ``delete_expired`` reads it
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -253,9 +253,9 @@ class ShmStore(FileStore):
     def _pool_room(self, size: int) -> bool:
         return sum(s for s, _ in self._free_segments()) + size <= self.pool_bytes
 
-    def sweep(self, older_than_s: float) -> int:
+    def delete_expired(self, older_than_s: float) -> int:
         """Remove payloads, half-written segments and pooled segments idle for ``older_than_s``."""
-        removed = super().sweep(older_than_s)
+        removed = super().delete_expired(older_than_s)
         cutoff = time.time() - older_than_s
         for entry in os.scandir(self.free_dir):
             with contextlib.suppress(FileNotFoundError):

@@ -14,15 +14,15 @@ import pytest
 import redis
 import torch
 
-from events.batch import Ragged
-from events.batches import BatchChannel
-from events.consume import Consumer, ConsumerConfig
-from events.embedded import RedisServer
-from events.errors import PayloadMissing
-from events.names import Keys
-from events.payload import PayloadStore, ShmStore, make_store
-from events.publish import Publisher
-from events.schema import BatchReady, Producer
+from rollout_bus.events.batch import Ragged
+from rollout_bus.events.batches import BatchChannel
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.errors import PayloadMissing
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload import PayloadStore, ShmStore, make_store
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import BatchReady, Producer
 
 pytestmark = pytest.mark.integration
 
@@ -31,11 +31,11 @@ POLICY = "pol"
 
 CHILD = """
 import json, sys
-from events.batches import BatchChannel
-from events.connection import connect
-from events.consume import Consumer, ConsumerConfig
-from events.names import Keys
-from events.payload import make_store
+from rollout_bus.events.batches import BatchChannel
+from rollout_bus.events.connection import connect
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload import make_store
 url, jobs = sys.argv[1], json.loads(sys.argv[2])
 client = connect(url)
 out = []
@@ -130,7 +130,7 @@ def test_a_retried_publish_leaves_one_entry_and_one_payload_even_after_release(
     cleanup(ch.store)
 
 
-def test_sweep_deletes_a_payload_a_dead_group_never_released(redis_client: redis.Redis, keys: Keys,
+def test_delete_expired_deletes_a_payload_a_dead_group_never_released(redis_client: redis.Redis, keys: Keys,
                                                              spec: str) -> None:
     ch = channel(redis_client, keys, spec)
     group(redis_client, keys, "dead")
@@ -139,10 +139,10 @@ def test_sweep_deletes_a_payload_a_dead_group_never_released(redis_client: redis
     (msg,) = live.read()
     assert isinstance(msg.event, BatchReady)
     assert ch.release(msg.event, "live") is False
-    assert ch.sweep(max_age_s=3600) == 0 and not gone(ch, msg.event)
+    assert ch.delete_expired(max_age_s=3600) == 0 and not gone(ch, msg.event)
     if spec == "redis":
         assert 0 < int(redis_client.ttl(keys.payload_chunk("pol:b1", 0))) <= 600  # TTL backstop
-    assert ch.sweep(max_age_s=0) >= 1
+    assert ch.delete_expired(max_age_s=0) >= 1
     assert gone(ch, msg.event)
     assert redis_client.zcard(keys.payload_index) == 0
     assert not redis_client.exists(keys.payload_readers("pol:b1"))

@@ -10,10 +10,10 @@ import msgpack
 import pytest
 import redis
 
-from events.consume import Consumer, ConsumerConfig, Message
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import EngineReady, Producer
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import EngineReady, Producer
 
 pytestmark = pytest.mark.integration
 PRODUCER = Producer("test", "0")

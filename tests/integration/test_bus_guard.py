@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from events.connection import Guard, ReconnectPolicy, connect
-from events.embedded import RedisServer
-from events.errors import BusUnavailable, RedisCommandError
+from rollout_bus.events.connection import Guard, ReconnectPolicy, connect
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.errors import BusUnavailable, RedisCommandError
 
 pytestmark = pytest.mark.integration
 
@@ -26,12 +26,12 @@ def own_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "events.connection"]
+    return [r.getMessage() for r in caplog.records if r.name == "rollout_bus.events.connection"]
 
 
 def test_the_guard_logs_once_when_the_connection_is_lost_and_once_when_it_is_back(
         own_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="events.connection")
+    caplog.set_level(logging.WARNING, logger="rollout_bus.events.connection")
     client = connect(own_server.url)
     guard = Guard(client, ReconnectPolicy(max_wait_s=20, base_s=0.02, cap_s=0.1), name="test-guard")
     assert guard.call(lambda c: c.set("k", "v"))
@@ -48,7 +48,7 @@ def test_the_guard_logs_once_when_the_connection_is_lost_and_once_when_it_is_bac
     assert len(lines) == 2, lines
     assert lines[0].startswith("test-guard: connection to Redis lost (")
     assert lines[1].startswith("test-guard: connection to Redis is back after ")
-    assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "events.connection")
+    assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "rollout_bus.events.connection")
     assert guard.outages == 1
     assert guard.call(lambda c: c.ping()) is True
     assert len(messages(caplog)) == 2
@@ -57,7 +57,7 @@ def test_the_guard_logs_once_when_the_connection_is_lost_and_once_when_it_is_bac
 
 def test_the_guard_raises_bus_unavailable_when_redis_stays_down(
         own_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="events.connection")
+    caplog.set_level(logging.WARNING, logger="rollout_bus.events.connection")
     client = connect(own_server.url)
     guard = Guard(client, ReconnectPolicy(max_wait_s=0.5, base_s=0.02, cap_s=0.1), name="doomed")
     guard.call(lambda c: c.ping())

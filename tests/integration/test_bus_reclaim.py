@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from events.embedded import RedisServer
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import EngineReady, Producer
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import EngineReady, Producer
 from tests.support.procs import spawn, stop, wait_for
 
 pytestmark = pytest.mark.integration

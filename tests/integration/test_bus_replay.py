@@ -7,11 +7,11 @@ import time
 import pytest
 import redis
 
-from events.consume import Consumer, ConsumerConfig, Message
-from events.names import Keys
-from events.publish import Publisher
-from events.replay import page, page_since
-from events.schema import EngineReady, Event, Producer, decode
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page, page_since
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import EngineReady, Event, Producer, decode
 
 pytestmark = pytest.mark.integration
 PRODUCER = Producer("test", "0")

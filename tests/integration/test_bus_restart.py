@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from events.connection import Guard, ReconnectPolicy, connect
-from events.consume import Consumer, ConsumerConfig, Message
-from events.embedded import RedisServer
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import EngineReady, Producer, decode
+from rollout_bus.events.connection import Guard, ReconnectPolicy, connect
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import EngineReady, Producer, decode
 from tests.support.procs import wait_for
 
 pytestmark = pytest.mark.integration

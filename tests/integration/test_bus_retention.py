@@ -7,11 +7,11 @@ import time
 import pytest
 import redis
 
-from events.consume import Consumer, ConsumerConfig
-from events.names import Keys
-from events.publish import Publisher
-from events.retention import StreamId, safe_trim_point, trim
-from events.schema import EngineReady, Producer, encode
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.retention import StreamId, safe_trim_point, trim
+from rollout_bus.events.schema import EngineReady, Producer, encode
 
 pytestmark = pytest.mark.integration
 PRODUCER = Producer("test", "0")

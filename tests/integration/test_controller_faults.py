@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from controller.backends import pid_alive
-from controller.config import ControllerConfig
-from controller.service import InferenceController
-from controller.testing import find, publish_weights, read_events, wait_until, wait_until_async, write_version
-from events.embedded import RedisServer
-from events.names import Keys
-from events.registry import EngineState, Registry
-from events.schema import (
+from rollout_bus.controller.backends import pid_alive
+from rollout_bus.controller.config import ControllerConfig
+from rollout_bus.controller.service import InferenceController
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.registry import EngineState, Registry
+from rollout_bus.events.schema import (
     EngineLaunching,
     EngineReady,
     EngineRestarting,
@@ -35,6 +34,14 @@ from events.schema import (
     WeightVersionServing,
 )
 from tests.engine_proc import call, make_weights_dir
+from tests.support.controller_driver import (
+    find,
+    publish_weights,
+    read_events,
+    wait_until,
+    wait_until_async,
+    write_version,
+)
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +105,7 @@ def test_a_killed_or_hung_engine_is_replaced_and_gets_the_latest_weights_before_
 
 def spawn_controller(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "controller.py"), *args], cwd=ROOT,
+        return subprocess.Popen([sys.executable, "-m", "rollout_bus", "controller", *args], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
@@ -112,7 +119,7 @@ def engine_pids(model_path: Path) -> set[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"engine.server" in args and str(model_path).encode() in args and pid_alive(int(entry.name)):
+        if b"rollout_bus.engine.server" in args and str(model_path).encode() in args and pid_alive(int(entry.name)):
             pids.add(int(entry.name))
     return pids
 

@@ -16,16 +16,15 @@ import aiohttp
 import pytest
 import redis
 
-from controller.config import ControllerConfig
-from controller.lifecycle import adopted_engine_id
-from controller.service import InferenceController
-from controller.testing import find, publish_weights, read_events, wait_until_async, write_version
-from engine.http_client import EngineClient
-from events.embedded import RedisServer
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import EngineState, Registry
-from events.schema import (
+from rollout_bus.controller.config import ControllerConfig
+from rollout_bus.controller.lifecycle import adopted_engine_id
+from rollout_bus.controller.service import InferenceController
+from rollout_bus.engine.http_client import EngineClient
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import EngineState, Registry
+from rollout_bus.events.schema import (
     EngineOffloaded,
     EngineOnloaded,
     EngineReady,
@@ -39,6 +38,13 @@ from events.schema import (
     WeightVersionServing,
 )
 from tests.engine_proc import EngineProcess, make_weights_dir
+from tests.support.controller_driver import (
+    find,
+    publish_weights,
+    read_events,
+    wait_until_async,
+    write_version,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -17,20 +17,20 @@ import torch
 from rq import Queue, Retry, SimpleWorker
 from rq.serializers import JSONSerializer
 
-from events import schema as s
-from events.batches import BatchChannel
-from events.connection import connect
-from events.consume import Consumer, ConsumerConfig
-from events.embedded import find_redis_server, free_port
-from events.errors import RedisCommandError
-from events.logexport import export_log
-from events.logimport import import_log
-from events.logpayloads import payload_store
-from events.metrics import bus_snapshot
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import EngineRecord, EngineState, PolicyRecord, Registry
-from scripts import status
+from rollout_bus import status
+from rollout_bus.events import schema as s
+from rollout_bus.events.batches import BatchChannel
+from rollout_bus.events.connection import connect
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.embedded import find_redis_server, free_port
+from rollout_bus.events.errors import RedisCommandError
+from rollout_bus.events.metrics import bus_snapshot
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
+from rollout_bus.replay.exporter import export_log
+from rollout_bus.replay.importer import import_log
+from rollout_bus.replay.payloads import payload_store
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from events.names import Keys
+from rollout_bus.events.names import Keys
 from tests.integration.test_deploy_acl import AclServer
 from tests.integration.test_deploy_compose import compose, resolve
 
@@ -34,7 +34,7 @@ def test_the_dashboard_lists_json_jobs_of_the_rollout_queue_as_the_status_user(a
 
     keys = Keys("dash")
     Queue(keys.rollout_queue, connection=acl_server.client("trainer"), serializer=JSONSerializer).enqueue_call(
-        "executor.jobs.run_rollout", kwargs={"request": {"policy": "p0"}}, job_id="req-1")
+        "rollout_bus.executor.jobs.run_rollout", kwargs={"request": {"policy": "p0"}}, job_id="req-1")
     app: Any = make_flask_app(None, None, None, "")
     app.config["RQ_DASHBOARD_REDIS_URL"] = acl_server.url("status")
     web.config.serializer = JSONSerializer

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from events.embedded import RedisServer
-from events.names import Keys
-from events.replay import page
-from events.schema import BatchConsumed, TrainStepDone, decode
-from scripts.run import RunConfig, run_job
-from trainer.testing import shared_init_dir
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page
+from rollout_bus.events.schema import BatchConsumed, TrainStepDone, decode
+from rollout_bus.launch.config import RunConfig
+from rollout_bus.launch.job import run_job
+from tests.support.fake_rollouts import shared_init_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,7 +28,7 @@ def run(mode: str, tmp_path: Path, redis_server: RedisServer, keys: Keys, **over
 
 
 def trainer_events(redis_server: RedisServer, keys: Keys) -> list:
-    from events.connection import connect
+    from rollout_bus.events.connection import connect
 
     client = connect(redis_server.url)
     try:

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from events.connection import connect
-from events.embedded import RedisServer
-from events.names import Keys
-from events.replay import page
-from events.schema import BatchConsumed, BatchReady, WeightsPublished, decode
-from scripts.run import RunConfig, run_job
-from trainer.checkpoint import CheckpointStore
-from trainer.recorder import read_recording
-from trainer.testing import shared_init_dir
+from rollout_bus.events.connection import connect
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page
+from rollout_bus.events.schema import BatchConsumed, BatchReady, WeightsPublished, decode
+from rollout_bus.launch.config import RunConfig
+from rollout_bus.launch.job import run_job
+from rollout_bus.trainer.checkpoint import CheckpointStore
+from rollout_bus.trainer.recorder import read_recording
+from tests.support.fake_rollouts import shared_init_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 

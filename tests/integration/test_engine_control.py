@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from lm.model import ModelConfig, TinyLM, load_model, token_logprobs
-from lm.tokenizer import encode
+from rollout_bus.lm.model import ModelConfig, TinyLM, load_model, token_logprobs
+from rollout_bus.lm.tokenizer import encode
 from tests.engine_proc import EngineProcess, make_weights_dir, wait_until
 
 pytestmark = pytest.mark.integration

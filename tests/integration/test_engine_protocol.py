@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from lm.model import TinyLM, generate, load_model, save_weights, token_logprobs
-from lm.tokenizer import EOS_ID, VOCAB_SIZE, decode, encode
+from rollout_bus.lm.model import TinyLM, generate, load_model, save_weights, token_logprobs
+from rollout_bus.lm.tokenizer import EOS_ID, VOCAB_SIZE, decode, encode
 from tests.engine_proc import EngineProcess, call, make_weights_dir
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from events.embedded import RedisServer
-from events.names import Keys
-from executor.request import RolloutRequest, SamplingParams
-from executor.submit import RolloutSubmitter
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+from rollout_bus.events.submit import RolloutSubmitter
 from tests.engine_proc import EngineProcess, make_weights_dir
 from tests.support.executor_procs import (
     ExecutorProcess,

@@ -14,16 +14,16 @@ import redis
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from events.embedded import RedisServer
-from events.errors import InvalidRequest
-from events.names import Keys
-from events.registry import PolicyRecord, Registry
-from executor.config import ExecutorConfig
-from executor.engines import RouterConfig
-from executor.plugins import PluginConfig
-from executor.request import RolloutRequest, SamplingParams
-from executor.service import ExecutorService
-from executor.submit import RolloutSubmitter, SubmitConfig
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.names import Keys
+from rollout_bus.events.registry import PolicyRecord, Registry
+from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+from rollout_bus.events.submit import RolloutSubmitter, SubmitConfig
+from rollout_bus.executor.config import ExecutorConfig
+from rollout_bus.executor.engines import RouterConfig
+from rollout_bus.executor.plugins import PluginConfig
+from rollout_bus.executor.service import ExecutorService
 from tests.engine_proc import EngineProcess, make_weights_dir
 from tests.support.executor_procs import (
     batch_counts,
@@ -180,7 +180,7 @@ def test_group_rewards_and_the_dynamic_filter(redis_server: RedisServer, redis_c
     request = RolloutRequest.create("p", 0, 2, 4, sampling=SHORT, timeout_s=60, std_normalise=True)
     RolloutSubmitter(redis_client, served).submit(request)
     run_executor(redis_server, served, reward_path="tests.support.executor_plugins.half_reward",
-                 group_reward=True, filter_path="executor.filters.nonzero_reward_std")
+                 group_reward=True, filter_path="rollout_bus.executor.filters.nonzero_reward_std")
     (event,) = batch_ready(redis_client, served)
     data = train_data(redis_client, served, event)
     assert data.raw_reward.tolist() == [1.0, 1.0, 0.0, 0.0] * 2

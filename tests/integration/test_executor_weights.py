@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from events.embedded import RedisServer
-from events.names import Keys
-from executor.config import ExecutorConfig
-from executor.request import RolloutRequest, SamplingParams
-from executor.service import ExecutorService
-from executor.submit import RolloutSubmitter
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+from rollout_bus.events.submit import RolloutSubmitter
+from rollout_bus.executor.config import ExecutorConfig
+from rollout_bus.executor.service import ExecutorService
 from tests.engine_proc import EngineProcess, make_weights_dir
 from tests.support.executor_procs import batch_ready, register_engines, rollout_events, train_data
 from tests.support.procs import wait_for

@@ -1,6 +1,6 @@
 """Every role's ``/metrics`` is scraped over HTTP while a real run goes on, and holds its figures.
 
-``scripts/run.py --metrics-base-port N`` runs the whole system as processes (a controller with two
+``rollout-bus run --metrics-base-port N`` runs the whole system as processes (a controller with two
 engines, an executor, a trainer, the bus exporter). The test polls the four endpoints until each
 holds the figures Prometheus is meant to get (engine states, health-check latency, weight-update
 duration; jobs started, done and failed, samples, batch bytes; staleness, batches, steps, reward;
@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from events.embedded import RedisServer
-from events.names import Keys
-from scripts.run import RunConfig, build_parser, config_from_args, metrics_ports
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.launch.cli import build_parser, config_from_args
+from rollout_bus.launch.config import RunConfig, metrics_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -89,7 +90,7 @@ def checks(keys: Keys) -> dict[str, list[Check]]:
             ("health checks observed",
              lambda s: total(s, "rollout_bus_controller_health_check_seconds_count", outcome="ok") > 0
              and total(s, "rollout_bus_controller_health_check_seconds_sum", outcome="ok") > 0),
-            ("health sweeps observed", lambda s: total(s, "rollout_bus_controller_health_sweep_seconds_count") > 0),
+            ("health check rounds observed", lambda s: total(s, "rollout_bus_controller_health_round_seconds_count") > 0),
             ("weight updates observed",
              lambda s: total(s, "rollout_bus_controller_weight_update_seconds_count", policy=policy,
                              outcome="applied") > 0
@@ -151,7 +152,7 @@ def test_every_role_serves_its_metrics_during_a_run(tmp_path: Path, redis_server
     ports = dict(zip(roles, range(base, base + len(roles)), strict=True))
     stdout = tmp_path / "run.out"
     out = tmp_path / "out"
-    args = [sys.executable, "scripts/run.py", "--mode", MODE, "--engines", str(ENGINES), "--executors", "1",
+    args = [sys.executable, "-m", "rollout_bus", "run", "--mode", MODE, "--engines", str(ENGINES), "--executors", "1",
             "--trainers", "1", "--steps", "500", "--n-groups", str(N_GROUPS), "--n-samples", str(N_SAMPLES),
             "--token-delay-ms", str(TOKEN_DELAY_MS), "--warm-steps", "10", "--out", str(out),
             "--redis-url", redis_server.url, "--namespace", keys.namespace, "--no-progress", "--no-plot",

@@ -14,12 +14,12 @@ import pytest
 import redis
 import torch
 
-from events.batch import decode, encode
-from events.connection import connect
-from events.embedded import RedisServer
-from events.errors import PayloadMissing, RedisCommandError
-from events.names import Keys
-from events.payload import PayloadStore, RedisStore, ShmStore, make_store
+from rollout_bus.events.batch import decode, encode
+from rollout_bus.events.connection import connect
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.errors import PayloadMissing, RedisCommandError
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload import PayloadStore, RedisStore, ShmStore, make_store
 
 pytestmark = pytest.mark.integration
 
@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import json, sys
 import torch
-from events.batch import decode
-from events.connection import connect
-from events.names import Keys
-from events.payload import make_store
+from rollout_bus.events.batch import decode
+from rollout_bus.events.connection import connect
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload import make_store
 url, namespace, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 client = connect(url)
 out = []

@@ -1,6 +1,6 @@
 """A real run's log, exported, imported into a fresh redis-server, replayed and retrained offline.
 
-``scripts/run.py`` runs the whole system (controller, engine, executor, trainer) as
+``rollout-bus run`` runs the whole system (controller, engine, executor, trainer) as
 processes on a redis-server of ours, under a known namespace, with the batch payloads held
 for export (``hold_payloads``). Then the timeline and the invariants of the live namespace,
 of the exported file and of a copy imported into a second redis-server must agree number
@@ -24,21 +24,21 @@ from typing import Any
 
 import pytest
 
-from events import schema as s
-from events.connection import connect
-from events.embedded import RedisServer
-from events.feed import feed_batches, trained_batch_ids
-from events.logexport import hold_payloads, read_live, release_payloads
-from events.logfile import LogReader, decode_entries
-from events.names import Keys
-from events.timeline import timeline
-from events.verify import verify, verify_log
-from lm.model import load_model
-from scripts import replay
-from trainer.offline import BATCH_IDS_FILE, RESULT_FILE, OfflineConfig, run_offline, weights_sha256
-from trainer.testing import shared_init_dir
-from trainer.warmstart import WarmStartConfig, warm_start_cached
-from trainer.weights import version_dir
+from rollout_bus.events import schema as s
+from rollout_bus.events.connection import connect
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.lm.model import load_model
+from rollout_bus.replay import cli as replay
+from rollout_bus.replay.exporter import hold_payloads, read_live, release_payloads
+from rollout_bus.replay.feed import feed_batches, trained_batch_ids
+from rollout_bus.replay.logfile import LogReader, decode_entries
+from rollout_bus.replay.offline import BATCH_IDS_FILE, RESULT_FILE, OfflineConfig, run_offline, weights_sha256
+from rollout_bus.replay.timeline import timeline
+from rollout_bus.replay.verify import verify, verify_log
+from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
+from rollout_bus.trainer.weights import version_dir
+from tests.support.fake_rollouts import shared_init_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -112,7 +112,7 @@ def test_a_live_run_exports_imports_replays_and_retrains_to_the_same_numbers(
         started = time.monotonic()
         env = {**os.environ, "REDIS_URL": source.url, "PYTHONUNBUFFERED": "1"}
         env.pop("ROLLOUT_BUS_NAMESPACE", None)
-        done = subprocess.run([sys.executable, "scripts/run.py", *RUN_ARGS, "--namespace", namespace,
+        done = subprocess.run([sys.executable, "-m", "rollout_bus", "run", *RUN_ARGS, "--namespace", namespace,
                                "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         run_s = time.monotonic() - started
@@ -173,7 +173,7 @@ def test_a_live_run_exports_imports_replays_and_retrains_to_the_same_numbers(
     in_stream_order = [b for b, _, _ in feed_batches(path, policy=POLICY)]
     assert in_stream_order == [b["batch_id"] for b in batches] == trained_batch_ids(path, policy=POLICY)
     first_out = tmp_path / "offline-1"
-    done = subprocess.run([sys.executable, "scripts/trainer.py", "offline", "--log", str(path), "--policy", POLICY,
+    done = subprocess.run([sys.executable, "-m", "rollout_bus", "trainer", "offline", "--log", str(path), "--policy", POLICY,
                            "--model-path", str(init), "--seed", "0", "--out", str(first_out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

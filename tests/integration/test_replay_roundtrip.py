@@ -10,21 +10,21 @@ import pytest
 import redis
 import torch
 
-from events import schema as s
-from events.batches import BatchChannel
-from events.connection import connect
-from events.consume import Consumer, ConsumerConfig
-from events.embedded import RedisServer
-from events.feed import feed_batches
-from events.logexport import export_log, read_live
-from events.logfile import LogReader, decode_entries
-from events.logimport import import_log
-from events.logpayloads import payload_store
-from events.names import Keys
-from events.timeline import timeline
-from events.train_data import TrainData, ragged
-from events.verify import verify
-from scripts import replay
+from rollout_bus.events import schema as s
+from rollout_bus.events.batches import BatchChannel
+from rollout_bus.events.connection import connect
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.train_data import TrainData, ragged
+from rollout_bus.replay import cli as replay
+from rollout_bus.replay.exporter import export_log, read_live
+from rollout_bus.replay.feed import feed_batches
+from rollout_bus.replay.importer import import_log
+from rollout_bus.replay.logfile import LogReader, decode_entries
+from rollout_bus.replay.payloads import payload_store
+from rollout_bus.replay.timeline import timeline
+from rollout_bus.replay.verify import verify
 from tests.unit.test_timeline import CTRL, POLICY, batch_ready, expected_final, publish_scenario, scenario
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""scripts/status.py as a process against a real redis-server: tables, JSON, --watch and the exporter."""
+"""``rollout-bus status`` as a process against a real redis-server: tables, JSON, --watch and the exporter."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from events.consume import Consumer, ConsumerConfig
-from events.embedded import RedisServer, free_port
-from events.names import Keys
-from events.registry import EngineRecord, EngineState, PolicyRecord, Registry
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.embedded import RedisServer, free_port
+from rollout_bus.events.names import Keys
+from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
 from tests.unit.test_timeline import POLICY, publish_scenario, scenario
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-STATUS = [sys.executable, str(ROOT / "scripts" / "status.py")]
+STATUS = [sys.executable, "-m", "rollout_bus", "status"]
 
 
 def populate(client: redis.Redis, keys: Keys) -> None:

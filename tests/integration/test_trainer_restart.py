@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from events.connection import connect
-from events.embedded import RedisServer
-from events.names import Keys
-from events.replay import page
-from events.schema import BatchConsumed, BatchReady, TrainStepDone, decode
-from trainer.checkpoint import CheckpointStore
-from trainer.procs import Child, ProcessSet
-from trainer.service import FAULT_ENV
-from trainer.testing import shared_init_dir
-from trainer.warmstart import WarmStartConfig, warm_start_cached
+from rollout_bus.events.connection import connect
+from rollout_bus.events.embedded import RedisServer
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page
+from rollout_bus.events.schema import BatchConsumed, BatchReady, TrainStepDone, decode
+from rollout_bus.launch.procs import Child, ProcessSet
+from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
+from rollout_bus.trainer.checkpoint import CheckpointStore
+from tests.support.fake_rollouts import shared_init_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,7 +44,7 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_a_batch(tmp_path: 
     url, ns = redis_server.url, keys.namespace
     procs = ProcessSet(tmp_path / "logs", env={"ROLLOUT_BUS_NAMESPACE": ns})
     client = connect(url)
-    trainer_args = ["scripts/trainer.py", "train", "--redis-url", url, "--namespace", ns, "--policy", "p0",
+    trainer_args = ["train", "--redis-url", url, "--namespace", ns, "--policy", "p0",
                     "--trainer-id", "trainer-p0", "--mode", "async", "--in-flight", "2", "--steps", str(STEPS),
                     "--model-path", str(init), "--weights-root", str(weights), "--checkpoint-dir", str(ckpt),
                     "--n-groups", "8", "--n-samples", "4"]
@@ -55,24 +54,24 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_a_batch(tmp_path: 
         return max((e.step for e in done if isinstance(e, TrainStepDone)), default=0)
 
     try:
-        procs.start("controller", ["scripts/controller.py", "--redis-url", url, "--namespace", ns, "--num-engines",
+        procs.start("controller", ["-m", "rollout_bus", "controller", "--redis-url", url, "--namespace", ns, "--num-engines",
                                    "1", "--model-path", str(init), "--weights-root", str(weights), "--base-policy",
                                    "p0", "--log-dir", str(tmp_path / "logs")])
-        procs.start("executor", ["scripts/executor.py", "--redis-url", url, "--namespace", ns,
+        procs.start("executor", ["-m", "rollout_bus", "executor", "--redis-url", url, "--namespace", ns,
                                  "--data-source-args", json.dumps({"digits": 1})])
         # 1: the trainer kills itself right after the checkpoint of step 3, before acking its batch
-        first = procs.start("trainer-1", trainer_args, env={FAULT_ENV: "crash-after-checkpoint:3"})
+        first = procs.start("trainer-1", ["-m", "tests.support.trainer_crash", "3", *trainer_args])
         assert first.proc.wait(120) == -signal.SIGKILL, first.tail()
         state = CheckpointStore(ckpt).load()
         assert state is not None and state.state.step == 3
         # 2: restarted, then SIGKILLed by us at a random moment after step 5, whatever it is doing
-        second = procs.start("trainer-2", trainer_args)
+        second = procs.start("trainer-2", ["-m", "rollout_bus", "trainer", *trainer_args])
         wait_until("step 5", lambda: steps_done() >= 5, child=second)
         time.sleep(random.Random(7).uniform(0.0, 0.2))
         os.kill(second.pid, signal.SIGKILL)
         second.proc.wait(10)
         # 3: restarted again, runs to the end
-        third = procs.start("trainer-3", trainer_args)
+        third = procs.start("trainer-3", ["-m", "rollout_bus", "trainer", *trainer_args])
         assert third.proc.wait(120) == 0, third.tail()
     finally:
         procs.stop_all()

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from events.connection import connect  # noqa: E402
-from events.consume import Consumer, ConsumerConfig, Message  # noqa: E402
-from events.names import Keys  # noqa: E402
+from rollout_bus.events.connection import connect  # noqa: E402
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message  # noqa: E402
+from rollout_bus.events.names import Keys  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from executor.sample import Sample
-from tasks.arithmetic import ArithmeticSource
+from rollout_bus.executor.sample import Sample
+from rollout_bus.tasks.arithmetic import ArithmeticSource
 
 
 class MalformedSource(ArithmeticSource):
@@ -32,8 +32,8 @@ async def half_reward(samples: list[Sample]) -> list[float]:
 
 async def scripted_generate(ctx: Any, sample: Sample) -> Sample:
     """No engine: even prompt groups get one right answer per two samples, odd groups only wrong ones."""
-    from executor.sample import Generation
-    from lm import tokenizer
+    from rollout_bus.executor.sample import Generation
+    from rollout_bus.lm import tokenizer
 
     right = sample.group_index % 2 == 0 and sample.index % 2 == 0
     ids = tokenizer.encode(str(sample.label) if right else "x") + [tokenizer.EOS_ID]

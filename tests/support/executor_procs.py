@@ -17,12 +17,12 @@ import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from events.names import Keys
-from events.registry import EngineRecord, EngineState, PolicyRecord, Registry
-from events.replay import page
-from events.schema import BatchReady, Event, decode
-from events.train_data import TrainData
-from executor.output import read_batch
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page
+from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
+from rollout_bus.events.schema import BatchReady, Event, decode
+from rollout_bus.events.train_data import TrainData
+from rollout_bus.executor.output import read_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,13 +32,13 @@ FAST_FAULTS = ("--heartbeat-ttl-s", "3", "--heartbeat-interval-s", "1", "--reap-
 
 
 class ExecutorProcess:
-    """``scripts/executor.py`` as a subprocess."""
+    """``rollout-bus executor`` as a subprocess."""
 
     def __init__(self, redis_url: str, namespace: str, index: int, extra_args: Sequence[str] = (),
                  log_path: Path | None = None) -> None:
         self.index = index
         self.log_path = log_path or Path(tempfile.mkstemp(prefix=f"executor-{index}-", suffix=".log")[1])
-        cmd = [sys.executable, str(ROOT / "scripts" / "executor.py"), "--redis-url", redis_url,
+        cmd = [sys.executable, "-m", "rollout_bus", "executor", "--redis-url", redis_url,
                "--namespace", namespace, "--index", str(index), *FAST_FAULTS, *extra_args]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         with open(self.log_path, "ab") as out:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import events.batch as batch_mod
-from events.batch import (
+import rollout_bus.events.batch as batch_mod
+from rollout_bus.events.batch import (
     ALIGN,
     MAGIC,
     Ragged,
@@ -20,7 +20,7 @@ from events.batch import (
     pack_ragged,
     unpack_ragged,
 )
-from events.errors import ChecksumMismatch, DecodeError, InvalidRequest, PayloadTooLarge
+from rollout_bus.events.errors import ChecksumMismatch, DecodeError, InvalidRequest, PayloadTooLarge
 
 
 def sample_fields() -> dict[str, torch.Tensor | Ragged]:

@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events.batch import DTYPES, Ragged, decode, encode
-from events.errors import DecodeError
+from rollout_bus.events.batch import DTYPES, Ragged, decode, encode
+from rollout_bus.events.errors import DecodeError
 
 NAMES = st.text(alphabet="abcdefghij_.", min_size=1, max_size=8)
 SHAPES = st.lists(st.integers(0, 5), min_size=0, max_size=3)

@@ -1,4 +1,4 @@
-"""BatchChannel on fakeredis: publish, idempotency, readers, release, sweep, limits."""
+"""BatchChannel on fakeredis: publish, idempotency, readers, release, expiry, limits."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 import redis
 import torch
 
-from events.batch import EncodedBatch, Ragged
-from events.batches import BatchChannel
-from events.errors import PayloadMissing, PayloadTooLarge
-from events.names import Keys
-from events.payload import FileStore, PayloadStore, RedisStore, Reference, ShmStore
-from events.publish import Publisher
-from events.schema import BatchReady, Producer, decode_as
+from rollout_bus.events.batch import EncodedBatch, Ragged
+from rollout_bus.events.batches import BatchChannel
+from rollout_bus.events.errors import PayloadMissing, PayloadTooLarge
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload import FileStore, PayloadStore, RedisStore, Reference, ShmStore
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import BatchReady, Producer, decode_as
 
 POLICY = "pol"
 
@@ -151,21 +151,21 @@ def test_a_concurrent_duplicate_that_lost_the_race_drops_its_copy(fake_client: r
     assert fake_client.zcard(keys.payload_index) == 0
 
 
-def test_sweep_deletes_payloads_that_outlived_their_readers(fake_client: redis.Redis, keys: Keys,
+def test_delete_expired_deletes_payloads_that_outlived_their_readers(fake_client: redis.Redis, keys: Keys,
                                                             store: PayloadStore) -> None:
     channel = channel_for(fake_client, keys, store)
     register(fake_client, keys, "dead-group")
     channel.publish(POLICY, "b1", tensors())
     event = only_event(fake_client, keys)
-    assert channel.sweep(max_age_s=3600) == 0
+    assert channel.delete_expired(max_age_s=3600) == 0
     assert payload_exists(store, event.payload)
-    assert channel.sweep(max_age_s=0) >= 1
+    assert channel.delete_expired(max_age_s=0) >= 1
     assert not payload_exists(store, event.payload)
     assert fake_client.zcard(keys.payload_index) == 0
     assert not fake_client.exists(keys.payload_readers("pol:b1"))
 
 
-def test_sweep_also_removes_a_payload_whose_publish_crashed_before_the_event(
+def test_delete_expired_also_removes_a_payload_whose_publish_crashed_before_the_event(
         fake_client: redis.Redis, keys: Keys, store: PayloadStore, monkeypatch: pytest.MonkeyPatch) -> None:
     channel = channel_for(fake_client, keys, store)
 
@@ -179,7 +179,7 @@ def test_sweep_also_removes_a_payload_whose_publish_crashed_before_the_event(
         channel.publish(POLICY, "b1", tensors())
     assert fake_client.xlen(keys.batch_stream(POLICY)) == 0
     assert written(fake_client, keys, store)
-    channel.sweep(max_age_s=0)
+    channel.delete_expired(max_age_s=0)
     assert fake_client.zcard(keys.payload_index) == 0
     assert not written(fake_client, keys, store)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.backends import CpuBackend, LaunchSpec, SglangBackend, make_backend
+from rollout_bus.controller.backends import CpuBackend, LaunchSpec, SglangBackend, make_backend
 
 
 def spec(**kw: object) -> LaunchSpec:
@@ -36,7 +36,7 @@ def test_sglang_memory_saver_is_not_doubled_and_can_be_left_out() -> None:
 
 def test_cpu_command_runs_the_project_engine_with_its_options() -> None:
     cmd = CpuBackend().command(spec(token_delay_ms=2.5, seed=3, extra_args=("--max-batch-size", "8")))
-    assert cmd[:3] == ["/usr/bin/python3", "-m", "engine.server"]
+    assert cmd[:3] == ["/usr/bin/python3", "-m", "rollout_bus.engine.server"]
     assert flag(cmd, "--model-path") == "/models/qwen"
     assert flag(cmd, "--port") == "31000"
     assert flag(cmd, "--weight-version") == "7"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import ConfigError, ControllerConfig
-from scripts.controller import parse_config
+from rollout_bus.controller.cli import parse_config
+from rollout_bus.controller.config import ConfigError, ControllerConfig
 
 
 def valid(tmp_path: Path, **kw: object) -> ControllerConfig:

@@ -9,9 +9,9 @@ import fakeredis
 import pytest
 import redis
 
-from controller.lease import Lease
-from controller.runner import LeaderRunner
-from events.names import Keys
+from rollout_bus.controller.lease import Lease
+from rollout_bus.controller.runner import LeaderRunner
+from rollout_bus.events.names import Keys
 
 
 @pytest.fixture(params=["fakeredis", "redis-server"])

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from controller.recovery import fold_engine_log, merge_registry
-from events.registry import EngineRecord, EngineState
-from events.schema import (
+from rollout_bus.controller.recovery import fold_engine_log, merge_registry
+from rollout_bus.events.registry import EngineRecord, EngineState
+from rollout_bus.events.schema import (
     EngineLaunching,
     EngineOffloaded,
     EngineReady,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.state import TRANSITIONS, EngineHandle, IllegalTransition, check_transition
-from engine.http_client import EngineClient
-from events.registry import EngineRecord, EngineState
+from rollout_bus.controller.state import TRANSITIONS, EngineHandle, IllegalTransition, check_transition
+from rollout_bus.engine.http_client import EngineClient
+from rollout_bus.events.registry import EngineRecord, EngineState
 
 S = EngineState
 

@@ -13,19 +13,25 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import controller.service
-from controller.bus import ControllerBus
-from controller.config import ControllerConfig
-from controller.core import Core
-from controller.metrics import ControllerMetrics
-from controller.service import InferenceController
-from controller.state import EngineHandle
-from controller.testing import find, read_events
-from controller.updates import WeightUpdater
-from engine.http_client import EngineHTTPError
-from events.names import Keys
-from events.registry import EngineRecord, EngineState, PolicyRecord, Registry
-from events.schema import Producer, WeightsApplied, WeightsPublished, WeightUpdateFailed, WeightVersionServing
+from rollout_bus.controller import service as controller_service
+from rollout_bus.controller.bus import ControllerBus
+from rollout_bus.controller.config import ControllerConfig
+from rollout_bus.controller.core import Core
+from rollout_bus.controller.metrics import ControllerMetrics
+from rollout_bus.controller.service import InferenceController
+from rollout_bus.controller.state import EngineHandle
+from rollout_bus.controller.updates import WeightUpdater
+from rollout_bus.engine.http_client import EngineHTTPError
+from rollout_bus.events.names import Keys
+from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
+from rollout_bus.events.schema import (
+    Producer,
+    WeightsApplied,
+    WeightsPublished,
+    WeightUpdateFailed,
+    WeightVersionServing,
+)
+from tests.support.controller_driver import find, read_events
 
 
 class FakeEngine:
@@ -236,7 +242,7 @@ def test_startup_writes_a_launch_record_and_a_restart_never_verifies_it_as_weigh
     def no_verify(*_: Any) -> None:
         raise AssertionError("a launch record names no weights to verify")
 
-    monkeypatch.setattr(controller.service, "verify", no_verify)
+    monkeypatch.setattr(controller_service, "verify", no_verify)
     ctl = run(seed())
     assert ctl.core.book.target("default") is None and ctl.core.book.accepted("default") == 2
     assert ctl.core.policies["default"].serving == 2

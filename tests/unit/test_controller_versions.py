@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.versions import Target, VersionBook, engine_versions, lora_name_for
+from rollout_bus.controller.versions import Target, VersionBook, engine_versions, lora_name_for
 
 
 def target(version: int, policy: str = "default") -> Target:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from controller.weights import BadWeights, reference_shapes, verify
+from rollout_bus.controller.weights import BadWeights, reference_shapes, verify
 
 
 def write(path: Path, rows: int = 4) -> str:

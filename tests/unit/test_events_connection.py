@@ -7,9 +7,9 @@ import time
 import pytest
 import redis
 
-from events.connection import Guard, ReconnectPolicy, connect, is_busygroup, redis_url
-from events.embedded import free_port
-from events.errors import BusUnavailable, Failure, RedisCommandError
+from rollout_bus.events.connection import Guard, ReconnectPolicy, connect, is_busygroup, redis_url
+from rollout_bus.events.embedded import free_port
+from rollout_bus.events.errors import BusUnavailable, Failure, RedisCommandError
 
 
 def test_an_error_reply_becomes_a_redis_command_error(fake_client: redis.Redis) -> None:

@@ -11,12 +11,12 @@ import msgpack
 import pytest
 import redis
 
-from events.connection import Guard, ReconnectPolicy
-from events.consume import Consumer, ConsumerConfig, Message
-from events.errors import RedisCommandError
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import EngineReady, Producer, encode
+from rollout_bus.events.connection import Guard, ReconnectPolicy
+from rollout_bus.events.consume import Consumer, ConsumerConfig, Message
+from rollout_bus.events.errors import RedisCommandError
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import EngineReady, Producer, encode
 
 PRODUCER = Producer("controller", "c-0")
 FAST = ConsumerConfig(block_ms=1, claim_idle_ms=60_000, claim_every_ms=60_000)
@@ -247,10 +247,12 @@ def test_entries_handled_but_not_yet_acked_are_never_claimed_again(fake_client: 
     assert pending(fake_client, keys) == 0
 
 
-def test_raw_stream_replies_of_both_protocols_become_entries_with_field_maps() -> None:
-    from events.consume import _stream_entries
-    resp2 = [[b"s", [[b"1-0", [b"e", b"x"]], [b"2-0", None], [b"3-0", [b"a", b"1", b"b", b"2"]]]]]
-    expected = [(b"1-0", {b"e": b"x"}), (b"2-0", {}), (b"3-0", {b"a": b"1", b"b": b"2"})]
-    assert _stream_entries(resp2) == expected
-    assert _stream_entries({b"s": resp2[0][1]}) == expected
-    assert _stream_entries(None) == [] and _stream_entries([]) == []
+def test_stream_replies_of_both_protocols_and_both_field_shapes_become_entries_with_field_maps() -> None:
+    from rollout_bus.events.paging import stream_entries
+    resp2 = [[b"s", [[b"1-0", [b"e", b"x"]], [b"2-0", None], [b"3-0", [b"a", b"1", b"b", b"2"]]]],
+             [b"t", [[b"4-0", {b"e": b"y"}]]]]
+    expected = [("s", "1-0", {b"e": b"x"}), ("s", "2-0", {}), ("s", "3-0", {b"a": b"1", b"b": b"2"}),
+                ("t", "4-0", {b"e": b"y"})]
+    assert stream_entries(resp2) == expected
+    assert stream_entries({b"s": resp2[0][1], b"t": resp2[1][1]}) == expected
+    assert stream_entries(None) == [] and stream_entries([]) == []

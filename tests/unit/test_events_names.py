@@ -7,7 +7,7 @@ import inspect
 import pytest
 from redis.crc import key_slot
 
-from events.names import DEFAULT_NAMESPACE, Keys, check_name
+from rollout_bus.events.names import DEFAULT_NAMESPACE, Keys, check_name
 
 
 def every_key(keys: Keys) -> dict[str, str]:

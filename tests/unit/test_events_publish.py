@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import redis
 
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import EngineReady, Producer, decode
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import EngineReady, Producer, decode
 
 PRODUCER = Producer("controller", "c-0")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import redis
 
-from events.consume import Consumer, ConsumerConfig
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import EngineStopped, Producer
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import EngineStopped, Producer
 
 
 def publish(pub: Publisher, keys: Keys, n: int, start: int = 0) -> None:

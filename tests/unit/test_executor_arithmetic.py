@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from lm import tokenizer
-from tasks.arithmetic import ArithmeticSource, exact_match, problem
+from rollout_bus.lm import tokenizer
+from rollout_bus.tasks.arithmetic import ArithmeticSource, exact_match, problem
 
 
 def test_problems_are_a_pure_function_of_seed_digits_and_index() -> None:

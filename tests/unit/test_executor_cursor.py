@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import fakeredis
 
-from events.names import Keys
-from executor.cursor import CursorStore
-from tasks.arithmetic import ArithmeticSource
+from rollout_bus.events.names import Keys
+from rollout_bus.executor.cursor import CursorStore
+from rollout_bus.tasks.arithmetic import ArithmeticSource
 
 
 def indices(items: list[dict[str, object]]) -> list[object]:
@@ -59,12 +59,27 @@ def test_eval_draws_do_not_move_the_cursor(fake_client: fakeredis.FakeRedis, key
     assert indices(store.reserve(key, source, "b", 0, 1)) == [2]
 
 
-def test_prompts_given_back_go_out_first_once(fake_client: fakeredis.FakeRedis, keys: Keys) -> None:
+def test_prompts_a_request_gives_back_go_out_first_and_a_retry_never_gives_them_back_twice(
+        fake_client: fakeredis.FakeRedis, keys: Keys) -> None:
     store, source = CursorStore(fake_client, keys), ArithmeticSource()
     key = store.key("p", source)
     stale = store.reserve(key, source, "a", 0, 2)
     store.mark_used(key, "a", [0, 1])
     store.finalize(key, "a")
-    assert store.give_back(key, stale) == 2
-    assert store.give_back(key, stale[:1]) == 0  # already there
-    assert indices(store.reserve(key, source, "b", 0, 3)) == [0, 1, 2]
+    # request "b" gives rollout "a"'s two prompts back: they are the first it draws
+    assert indices(store.reserve(key, source, "b", 0, 3, returned=stale)) == [0, 1, 2]
+    # "b" is retried (its executor died): same prompts, and nothing given back again
+    assert indices(store.reserve(key, source, "b", 0, 3, returned=stale)) == [0, 1, 2]
+    assert indices(store.reserve(key, source, "b", 1, 1, returned=stale)) == [3]
+    assert indices(store.reserve(key, source, "c", 0, 2)) == [4, 5]
+
+
+def test_given_back_prompts_beyond_the_first_draw_stay_for_the_next_request(
+        fake_client: fakeredis.FakeRedis, keys: Keys) -> None:
+    store, source = CursorStore(fake_client, keys), ArithmeticSource()
+    key = store.key("p", source)
+    stale = store.reserve(key, source, "a", 0, 3)
+    store.mark_used(key, "a", [0, 1, 2])
+    store.finalize(key, "a")
+    assert indices(store.reserve(key, source, "b", 0, 1, returned=stale)) == [0]
+    assert indices(store.reserve(key, source, "c", 0, 3)) == [1, 2, 3]

@@ -7,9 +7,9 @@ import time
 import fakeredis
 import pytest
 
-from events.names import Keys
-from events.registry import EngineRecord, EngineState, Registry
-from executor.engines import EngineRouter, EngineTime, parse_reply
+from rollout_bus.events.names import Keys
+from rollout_bus.events.registry import EngineRecord, EngineState, Registry
+from rollout_bus.executor.engines import EngineRouter, EngineTime, parse_reply
 
 
 def record(engine_id: str, load: int = 0, updating: dict[str, int] | None = None,

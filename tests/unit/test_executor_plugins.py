@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from executor.errors import PluginError
-from executor.filters import no_aborted, nonzero_reward_std
-from executor.plugins import FilterResult, PluginConfig, Plugins, load_callable, load_object
-from executor.sample import Sample, Status
+from rollout_bus.executor.errors import PluginError
+from rollout_bus.executor.filters import no_aborted, nonzero_reward_std
+from rollout_bus.executor.plugins import FilterResult, PluginConfig, Plugins, load_callable, load_object
+from rollout_bus.executor.sample import Sample, Status
 
 
 def test_a_good_path_loads_with_either_separator() -> None:
-    assert load_object("executor.filters.no_aborted", "filter") is no_aborted
-    assert load_object("executor.filters:no_aborted", "filter") is no_aborted
+    assert load_object("rollout_bus.executor.filters.no_aborted", "filter") is no_aborted
+    assert load_object("rollout_bus.executor.filters:no_aborted", "filter") is no_aborted
 
 
 @pytest.mark.parametrize(("path", "message"), [
     ("", "path is empty"),
     ("nodots", "is not a dotted path"),
     ("executor..filters.x", "is not a dotted path"),
-    ("executor.no_such_module.f", "cannot import module 'executor.no_such_module'"),
-    ("executor.filters.nonzero_reward_sdt", "has no attribute 'nonzero_reward_sdt'; did you mean "
-                                             "'executor.filters.nonzero_reward_std'"),
+    ("rollout_bus.executor.no_such_module.f", "cannot import module 'rollout_bus.executor.no_such_module'"),
+    ("rollout_bus.executor.filters.nonzero_reward_sdt", "has no attribute 'nonzero_reward_sdt'; did you mean "
+                                             "'rollout_bus.executor.filters.nonzero_reward_std'"),
 ])
 def test_a_bad_path_says_what_is_wrong(path: str, message: str) -> None:
     with pytest.raises(PluginError, match=message.replace("(", r"\(").replace(".", r"\.")):
@@ -30,18 +30,18 @@ def test_a_bad_path_says_what_is_wrong(path: str, message: str) -> None:
 
 def test_kinds_are_checked() -> None:
     with pytest.raises(PluginError, match="is a str, not a function"):
-        load_callable("executor.submit.JOB_FUNC", "reward function")
+        load_callable("events.submit.JOB_FUNC", "reward function")
     with pytest.raises(PluginError, match="must be an async function"):
-        load_callable("executor.filters.no_aborted", "generate function", is_async=True)
+        load_callable("rollout_bus.executor.filters.no_aborted", "generate function", is_async=True)
 
 
 def test_plugins_fail_at_load_time_not_per_request() -> None:
-    with pytest.raises(PluginError, match="generate function 'tasks.arithmetic.exact_match' must be an async"):
-        Plugins(PluginConfig(generate_path="tasks.arithmetic.exact_match"))
+    with pytest.raises(PluginError, match="generate function 'rollout_bus.tasks.arithmetic.exact_match' must be an async"):
+        Plugins(PluginConfig(generate_path="rollout_bus.tasks.arithmetic.exact_match"))
     with pytest.raises(PluginError, match="rejected options .*digits must be an integer"):
         Plugins(PluginConfig(data_source_args={"digits": 0}))
-    with pytest.raises(PluginError, match="tokenizer 'executor.filters' has no encode"):
-        Plugins(PluginConfig(tokenizer_path="executor.filters"))
+    with pytest.raises(PluginError, match="tokenizer 'rollout_bus.executor.filters' has no encode"):
+        Plugins(PluginConfig(tokenizer_path="rollout_bus.executor.filters"))
 
 
 def test_data_sources_are_built_once_per_option_set() -> None:

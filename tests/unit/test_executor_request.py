@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from events.errors import InvalidRequest
-from executor.request import RolloutRequest, SamplingParams, now_ms
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.rollouts import RolloutRequest, SamplingParams, now_ms
 
 
 def test_a_request_round_trips_through_json() -> None:

@@ -7,14 +7,14 @@ import asyncio
 import fakeredis
 import pytest
 
-from events.names import Keys
-from events.registry import Registry
-from executor.cursor import CursorStore
-from executor.engines import EngineCaller, EngineRouter, EngineTime
-from executor.errors import FilterError, RewardError
-from executor.plugins import PluginConfig, Plugins
-from executor.request import RolloutRequest
-from executor.rollout import RolloutOutcome, RolloutRunner
+from rollout_bus.events.names import Keys
+from rollout_bus.events.registry import Registry
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.executor.cursor import CursorStore
+from rollout_bus.executor.engines import EngineCaller, EngineRouter, EngineTime
+from rollout_bus.executor.errors import FilterError, RewardError
+from rollout_bus.executor.plugins import PluginConfig, Plugins
+from rollout_bus.executor.rollout import RolloutOutcome, RolloutRunner
 
 
 def run(request: RolloutRequest, client: fakeredis.FakeRedis, keys: Keys, **plugin_args: object) -> RolloutOutcome:
@@ -42,7 +42,7 @@ def test_train_data_of_a_request(fake_client: fakeredis.FakeRedis, keys: Keys) -
 
 def test_the_filter_drops_groups_and_more_rounds_fill_the_batch(fake_client: fakeredis.FakeRedis,
                                                                   keys: Keys) -> None:
-    out = run(RolloutRequest("p", 0, 3, 2), fake_client, keys, filter_path="executor.filters.nonzero_reward_std")
+    out = run(RolloutRequest("p", 0, 3, 2), fake_client, keys, filter_path="rollout_bus.executor.filters.nonzero_reward_std")
     assert out.train_data is not None
     assert out.train_data.metadata["prompt_indices"] == [0, 2, 4]
     assert sorted(out.used_indices) == [0, 1, 2, 3, 4]
@@ -64,7 +64,7 @@ def test_over_sampling_stops_at_enough_groups_and_returns_the_rest(fake_client: 
 def test_a_filter_that_drops_everything_fails_the_request(fake_client: fakeredis.FakeRedis, keys: Keys) -> None:
     # one sample per group: no group has a reward spread
     with pytest.raises(FilterError, match="dropped all 4 groups drawn in 4 round"):
-        run(RolloutRequest("p", 0, 1, 1), fake_client, keys, filter_path="executor.filters.nonzero_reward_std")
+        run(RolloutRequest("p", 0, 1, 1), fake_client, keys, filter_path="rollout_bus.executor.filters.nonzero_reward_std")
 
 
 def test_a_reward_that_raises_or_returns_garbage_is_a_reward_error(fake_client: fakeredis.FakeRedis,

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.kv_cache import KVCache
-from lm.model import (
+from rollout_bus.lm.kv_cache import KVCache
+from rollout_bus.lm.model import (
     ModelConfig,
     TinyLM,
     build_model,
@@ -20,7 +20,7 @@ from lm.model import (
     save_weights,
     token_logprobs,
 )
-from lm.tokenizer import VOCAB_SIZE, encode
+from rollout_bus.lm.tokenizer import VOCAB_SIZE, encode
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 TOL = {"cpu": 1e-5, "cuda": 1e-4}

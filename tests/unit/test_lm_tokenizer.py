@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lm.tokenizer import BOS_ID, CHARACTERS, EOS_ID, PAD_ID, VOCAB_SIZE, decode, encode
+from rollout_bus.lm.tokenizer import BOS_ID, CHARACTERS, EOS_ID, PAD_ID, VOCAB_SIZE, decode, encode
 
 
 def test_vocabulary_layout_is_fixed() -> None:

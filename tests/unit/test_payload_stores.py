@@ -12,13 +12,21 @@ import pytest
 import redis
 import torch
 
-from events.batch import decode, encode
-from events.errors import DecodeError, InvalidRequest, PayloadMissing
-from events.names import Keys
-from events.payload import FileStore, PayloadStore, RedisStore, ShmStore, StoreSpec, make_ref, make_store
-from events.payload.redis import split_chunks
-from events.payload.resp import BIG_ARG, Address, pack_command
-from events.payload.shm import capacity_for
+from rollout_bus.events.batch import decode, encode
+from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload import (
+    FileStore,
+    PayloadStore,
+    RedisStore,
+    ShmStore,
+    StoreSpec,
+    make_ref,
+    make_store,
+)
+from rollout_bus.events.payload.redis import split_chunks
+from rollout_bus.events.payload.resp import BIG_ARG, Address, pack_command
+from rollout_bus.events.payload.shm import capacity_for
 
 
 def fields(seed: int = 0, n: int = 5000) -> dict[str, torch.Tensor]:
@@ -101,14 +109,14 @@ def test_split_chunks_cuts_at_every_boundary_without_copying() -> None:
     assert split_chunks([], 4) == [[]]
 
 
-def test_file_store_writes_atomically_and_sweeps_old_files(keys: Keys, tmp_path: Path) -> None:
+def test_file_store_writes_atomically_and_deletes_old_files(keys: Keys, tmp_path: Path) -> None:
     store = FileStore(tmp_path, keys)
     ref = store.put("pol:b1", encode(fields()), ttl_s=60)
     store.put("pol:b2", encode(fields()), ttl_s=60)
     assert sorted(os.listdir(store.root)) == ["pol:b1", "pol:b2"]  # no temp files left behind
     old = time.time() - 3600
     os.utime(store.path("pol:b1"), (old, old))
-    assert store.sweep(older_than_s=600) == 1
+    assert store.delete_expired(older_than_s=600) == 1
     with pytest.raises(PayloadMissing):
         store.get(ref)
     assert store.path("pol:b2").exists()
@@ -161,7 +169,7 @@ def test_shm_pool_is_bounded_and_idle_segments_are_swept(keys: Keys, tmp_path: P
     old = time.time() - 3600
     for name in os.listdir(store.free_dir):
         os.utime(store.free_dir / name, (old, old))
-    assert store.sweep(older_than_s=600) == 1
+    assert store.delete_expired(older_than_s=600) == 1
     assert os.listdir(store.free_dir) == []
     store.close()
 

@@ -10,15 +10,15 @@ import msgpack
 import pytest
 import redis
 
-from events import logfile
-from events.consume import Consumer, ConsumerConfig
-from events.errors import DecodeError, PayloadMissing
-from events.logexport import Range, export_log, read_live
-from events.logfile import LogEntry, LogReader, Payload, decode_entries, is_batch_ready, stream_key
-from events.logimport import import_log
-from events.names import Keys
-from events.schema import BatchReady, decode
-from events.timeline import timeline
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.names import Keys, logical_stream, stream_key
+from rollout_bus.events.schema import BatchReady, decode
+from rollout_bus.replay import logfile
+from rollout_bus.replay.exporter import Range, export_log, read_live
+from rollout_bus.replay.importer import import_log
+from rollout_bus.replay.logfile import LogEntry, LogReader, Payload, decode_entries, is_batch_ready
+from rollout_bus.replay.timeline import timeline
 from tests.unit.test_timeline import POLICY, publish_scenario, scenario
 
 
@@ -216,9 +216,9 @@ def test_groups_are_recreated_at_their_first_unacknowledged_entry(
 def test_logical_names_map_to_keys_and_back() -> None:
     keys = Keys("ns1")
     for logical in ("engines", "weights", "commands", "rollouts", "trainers", "dead-letters", "batches/p-0.x"):
-        assert logfile.logical_stream(keys, stream_key(keys, logical)) == logical
+        assert logical_stream(keys, stream_key(keys, logical)) == logical
     with pytest.raises(ValueError):
-        logfile.logical_stream(keys, Keys("ns2").engine_stream)
+        logical_stream(keys, Keys("ns2").engine_stream)
     with pytest.raises(ValueError):
         stream_key(keys, "nope")
     assert is_batch_ready(LogEntry("engines", "1-0", {})) is None

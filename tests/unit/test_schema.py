@@ -10,8 +10,8 @@ from typing import Any, Union
 import msgpack
 import pytest
 
-from events.errors import DecodeError, InvalidRequest
-from events.schema import (
+from rollout_bus.events.errors import DecodeError, InvalidRequest
+from rollout_bus.events.schema import (
     FIELD,
     MAX_EVENT_BYTES,
     SCHEMA_VERSION,

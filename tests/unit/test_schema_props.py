@@ -8,8 +8,8 @@ import msgpack
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from events.errors import DecodeError
-from events.schema import FIELD, SCHEMA_VERSION, Event, Producer, decode, encode, event_types
+from rollout_bus.events.errors import DecodeError
+from rollout_bus.events.schema import FIELD, SCHEMA_VERSION, Event, Producer, decode, encode, event_types
 from tests.unit.test_schema import make
 
 TYPE_NAMES = sorted(event_types())

@@ -13,11 +13,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from events.consume import Consumer, ConsumerConfig
-from events.metrics import BusCollector, bus_snapshot, serve_metrics
-from events.names import Keys
-from events.registry import EngineRecord, EngineState, PolicyRecord, Registry
-from scripts import status
+from rollout_bus import status
+from rollout_bus.events.consume import Consumer, ConsumerConfig
+from rollout_bus.events.metrics import BusCollector, bus_snapshot, serve_metrics
+from rollout_bus.events.names import Keys
+from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
 from tests.unit.test_timeline import POLICY, publish_scenario, scenario
 
 

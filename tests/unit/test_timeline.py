@@ -11,11 +11,11 @@ from typing import Any
 
 import redis
 
-from events import schema as s
-from events.logfile import LogEvent, stream_key
-from events.names import Keys
-from events.publish import Publisher
-from events.timeline import render, timeline, version_at
+from rollout_bus.events import schema as s
+from rollout_bus.events.names import Keys, stream_key
+from rollout_bus.events.publish import Publisher
+from rollout_bus.replay.logfile import LogEvent
+from rollout_bus.replay.timeline import render, timeline, version_at
 
 CTRL = s.Producer("controller", "c-0")
 EXEC = s.Producer("executor", "x-0")
@@ -186,8 +186,8 @@ def test_an_offloaded_engine_returns_to_its_state_when_every_tag_is_back() -> No
 
 
 def test_the_timeline_of_a_published_run_matches_the_synthetic_one(fake_client: redis.Redis, keys: Keys) -> None:
-    from events.logexport import read_live
-    from events.logfile import decode_entries
+    from rollout_bus.replay.exporter import read_live
+    from rollout_bus.replay.logfile import decode_entries
 
     steps = scenario()
     publish_scenario(fake_client, keys, steps)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from events.batch import decode, encode
-from events.errors import DecodeError
-from events.train_data import RAGGED_FIELDS, SCALAR_FIELDS, TrainData, group_normalise, ragged, wire_names
+from rollout_bus.events.batch import decode, encode
+from rollout_bus.events.errors import DecodeError
+from rollout_bus.events.train_data import (
+    RAGGED_FIELDS,
+    SCALAR_FIELDS,
+    TrainData,
+    group_normalise,
+    ragged,
+    wire_names,
+)
 
 
 def make(n_groups: int = 2, per_group: int = 3) -> TrainData:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from lm.model import ModelConfig, build_model
-from trainer.checkpoint import CheckpointStore, TrainerState
+from rollout_bus.lm.model import ModelConfig, build_model
+from rollout_bus.trainer.checkpoint import CheckpointStore, TrainerState
 
 
 def test_a_checkpoint_round_trips_state_model_and_optimizer(tmp_path: Path) -> None:

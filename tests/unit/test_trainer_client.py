@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import fakeredis
 
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import PolicyRecord, Registry
-from events.replay import page
-from events.schema import BatchConsumed, Producer, RolloutRequested, TrainerJoined, decode
-from executor.output import BatchSink
-from executor.request import RolloutRequest
-from trainer.client import ClientConfig, RolloutClient
-from trainer.testing import fake_batch
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import PolicyRecord, Registry
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.schema import BatchConsumed, Producer, RolloutRequested, TrainerJoined, decode
+from rollout_bus.executor.output import BatchSink
+from rollout_bus.trainer.client import ClientConfig, RolloutClient
+from tests.support.fake_rollouts import fake_batch
 
 
 def make_client(client: fakeredis.FakeRedis, keys: Keys) -> RolloutClient:

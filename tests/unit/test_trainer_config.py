@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import ConfigError, PublishConfig, ScheduleConfig, TrainerConfig
+from rollout_bus.trainer.config import ConfigError, PublishConfig, ScheduleConfig, TrainerConfig
 
 
 def test_every_invalid_setting_is_named() -> None:

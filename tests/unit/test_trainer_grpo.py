@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from trainer.grpo import LossConfig, grpo_loss
+from rollout_bus.trainer.grpo import LossConfig, grpo_loss
 
 
 def test_on_policy_loss_is_minus_the_token_mean_advantage() -> None:

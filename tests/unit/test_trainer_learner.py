@@ -6,10 +6,10 @@ import random
 
 import torch
 
-from lm.model import ModelConfig, build_model, pad_batch, token_logprobs
-from trainer.config import LossSettings, OptimConfig
-from trainer.learner import Learner, to_padded
-from trainer.testing import fake_batch
+from rollout_bus.lm.model import ModelConfig, build_model, pad_batch, token_logprobs
+from rollout_bus.trainer.config import LossSettings, OptimConfig
+from rollout_bus.trainer.learner import Learner, to_padded
+from tests.support.fake_rollouts import fake_batch
 
 
 def test_padded_columns_line_up_with_token_logprobs() -> None:

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from events import schema as s
-from events.batch import encode
-from events.feed import trained_batch_ids
-from events.logfile import Header, LogEntry, LogWriter, Payload, StreamRange
-from lm.model import ModelConfig, build_model, load_model, save_weights
-from scripts import trainer as trainer_cli
-from trainer.config import ConfigError, OptimConfig
-from trainer.offline import (
+from rollout_bus import cli as rollout_bus_cli
+from rollout_bus.events import schema as s
+from rollout_bus.events.batch import encode
+from rollout_bus.lm.model import ModelConfig, build_model, load_model, save_weights
+from rollout_bus.replay.feed import trained_batch_ids
+from rollout_bus.replay.logfile import Header, LogEntry, LogWriter, Payload, StreamRange
+from rollout_bus.replay.offline import (
     BATCH_IDS_FILE,
     RESULT_FILE,
     OfflineConfig,
@@ -23,7 +22,8 @@ from trainer.offline import (
     weights_sha256,
     write_outputs,
 )
-from trainer.testing import fake_batch
+from rollout_bus.trainer.config import ConfigError, OptimConfig
+from tests.support.fake_rollouts import fake_batch
 
 EXEC = s.Producer("executor", "x-0")
 TRAIN = s.Producer("trainer", "t-0")
@@ -132,13 +132,13 @@ def test_outputs_and_the_cli(tmp_path: Path, init: Path, capsys: pytest.CaptureF
 
     argv = ["offline", "--log", str(log), "--policy", "p0", "--model-path", str(init), "--steps", "3",
             "--lr", "1e-2", "--out", str(tmp_path / "cli")]
-    assert trainer_cli.run_offline(trainer_cli.parse(argv)) == 0
+    assert rollout_bus_cli.main(["trainer", *argv]) == 0  # the same as ``rollout-bus replay offline``
     printed = json.loads(capsys.readouterr().out)
     assert printed["batch_ids"] == result.batch_ids and printed["weights_sha256"] == result.weights_sha256
     assert (tmp_path / "cli" / BATCH_IDS_FILE).read_text().splitlines() == result.batch_ids
 
     with pytest.raises(SystemExit, match="is not a file"):
-        trainer_cli.run_offline(trainer_cli.parse(["offline", "--log", str(tmp_path / "nope"), "--policy", "p0",
-                                                   "--model-path", str(init)]))
+        rollout_bus_cli.main(["replay", "offline", "--log", str(tmp_path / "nope"), "--policy", "p0",
+                              "--model-path", str(init)])
     with pytest.raises(ConfigError, match="steps must be >= 0"):
         run_offline(config(log, init, steps=-1))

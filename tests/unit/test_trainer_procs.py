@@ -9,12 +9,18 @@ import sys
 import time
 from pathlib import Path
 
-from events.processes import alive
-from trainer.procs import ProcessSet
+from rollout_bus.events.processes import alive
+from rollout_bus.launch.procs import ProcessSet
 
 
 def sleeper(*extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *extra])
+    """A child that sleeps, returned once its command line is readable (it is empty until exec is done)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *extra])
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while not cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return proc
 
 
 def test_no_pid_is_alive_below_one() -> None:
@@ -34,7 +40,7 @@ def test_a_dead_child_is_reaped_and_counts_as_gone() -> None:
 
 
 def test_the_command_line_check_matches_whole_words_only() -> None:
-    proc = sleeper("--port", "18000", "-m", "engine.server")
+    proc = sleeper("--port", "18000", "-m", "rollout_bus.engine.server")
     try:
         assert alive(proc.pid, cmdline_has="18000")
         assert alive(proc.pid, cmdline_has="engine")
@@ -48,7 +54,7 @@ def test_the_command_line_check_matches_whole_words_only() -> None:
 def test_stop_all_kills_an_adopted_engine_that_outlives_the_grace(tmp_path: Path) -> None:
     procs = ProcessSet(tmp_path)
     engine = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                               "signal.SIG_IGN); time.sleep(60)", "-m", "engine.server"])
+                               "signal.SIG_IGN); time.sleep(60)", "-m", "rollout_bus.engine.server"])
     procs.adopt(engine.pid, "engine-0")
     procs.stop_all(timeout_s=0.2)
     assert engine.wait(5) == -signal.SIGKILL

@@ -7,13 +7,13 @@ from pathlib import Path
 import fakeredis
 import torch
 
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import Producer
-from executor.output import BatchSink
-from executor.request import RolloutRequest
-from trainer.recorder import Recorder, RecorderConfig, read_recording
-from trainer.testing import fake_batch
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.schema import Producer
+from rollout_bus.executor.output import BatchSink
+from rollout_bus.trainer.recorder import Recorder, RecorderConfig, read_recording
+from tests.support.fake_rollouts import fake_batch
 
 
 def publish(client: fakeredis.FakeRedis, keys: Keys, policy: str, rollout_id: int) -> str:

@@ -7,14 +7,14 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from events.names import Keys
-from events.replay import page
-from events.schema import BatchConsumed, TrainStepDone, decode
-from lm.model import ModelConfig, build_model, save_weights
-from trainer.checkpoint import CheckpointStore
-from trainer.config import PublishConfig, RolloutConfig, ScheduleConfig, TrainerConfig
-from trainer.service import Trainer
-from trainer.testing import FakeRollouts
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page
+from rollout_bus.events.schema import BatchConsumed, TrainStepDone, decode
+from rollout_bus.lm.model import ModelConfig, build_model, save_weights
+from rollout_bus.trainer.checkpoint import CheckpointStore
+from rollout_bus.trainer.config import PublishConfig, RolloutConfig, ScheduleConfig, TrainerConfig
+from rollout_bus.trainer.service import Trainer
+from tests.support.fake_rollouts import FakeRollouts
 
 
 @pytest.fixture()
@@ -93,10 +93,12 @@ def test_async_mode_never_trains_beyond_the_staleness_budget(tmp_path: Path, mod
     assert {c.batch_id for c in consumed if c.accepted} == {b for _, b in state.trained}
 
 
-def test_stale_prompts_are_requeued_into_the_data_source_cursor(tmp_path: Path, model_path: str, keys: Keys) -> None:
-    import msgpack
+def test_stale_prompts_travel_back_to_the_data_source_with_the_next_request(tmp_path: Path, model_path: str,
+                                                                           keys: Keys) -> None:
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
 
-    from executor.cursor import RETURNED
+    from rollout_bus.events.schema import RolloutRequested
 
     client = fakeredis.FakeRedis()
     lagged = FakeRollouts(client, keys, version_of=lambda rid, serving: max(0, serving - (5 if rid == 2 else 0)))
@@ -105,9 +107,16 @@ def test_stale_prompts_are_requeued_into_the_data_source_cursor(tmp_path: Path, 
                              stale_policy="requeue")
         trainer = run_trainer(client, config, keys)
     assert trainer.state is not None and trainer.state.counters["requeued_groups"] == 2
-    returned = msgpack.unpackb(client.hget(keys.data_cursor("default", "fake-source"), RETURNED), raw=False)
+    requested = [e for e in (decode(f) for _, f in page(client, keys.rollout_stream))
+                 if isinstance(e, RolloutRequested)]
+    bodies = {e.rollout_id: Job.fetch(e.request_id, connection=client, serializer=JSONSerializer).kwargs["request"]
+              for e in requested}
+    carrying = {rid: body["returned"] for rid, body in bodies.items() if body["returned"]}
+    assert list(carrying) and min(carrying) > 2  # a request after rollout 2's batch carries them, once
+    returned = [item for items in carrying.values() for item in items]
     assert sorted(item["index"] for item in returned) == [4, 5]  # rollout 2's groups (2 per rollout)
     assert all(item["prompt_ids"][0] == 1 for item in returned)  # BOS first: the prompt, not the response
+    assert trainer.state.returned == []
 
 
 def test_a_restarted_trainer_skips_and_acks_what_its_checkpoint_holds(tmp_path: Path, model_path: str,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.shards import shard
-from trainer.testing import fake_batch
+from rollout_bus.trainer.shards import shard
+from tests.support.fake_rollouts import fake_batch
 
 
 def test_shards_cover_the_batch_once_and_keep_groups_whole() -> None:

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from trainer.staleness import split_stale
-from trainer.testing import fake_batch
+from rollout_bus.trainer.staleness import split_stale
+from tests.support.fake_rollouts import fake_batch
 
 
 def test_groups_over_the_budget_are_left_out_whole() -> None:

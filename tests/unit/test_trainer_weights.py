@@ -9,13 +9,13 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import PolicyRecord, Registry
-from events.replay import page
-from events.schema import Producer, WeightsPublished, WeightVersionServing, decode
-from lm.model import ModelConfig, build_model, load_model
-from trainer.weights import ServingTimeout, WeightPublisher, version_dir
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import page
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import PolicyRecord, Registry
+from rollout_bus.events.schema import Producer, WeightsPublished, WeightVersionServing, decode
+from rollout_bus.lm.model import ModelConfig, build_model, load_model
+from rollout_bus.trainer.weights import ServingTimeout, WeightPublisher, version_dir
 
 
 def publisher(tmp_path: Path, keys: Keys, client: fakeredis.FakeRedis, keep: int = 4) -> WeightPublisher:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from events import schema as s
-from events.verify import VerifyConfig, Violation, verify
+from rollout_bus.events import schema as s
+from rollout_bus.replay.verify import VerifyConfig, Violation, verify
 from tests.unit.test_timeline import CTRL, EXEC, POLICY, TRAIN, Step, batch_ready, scenario, synthetic
 
 

@@ -14,14 +14,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from events.connection import Guard, Redis
-from events.names import Keys
-from events.schema import BatchConsumed, Event, TrainStepDone, decode
+from rollout_bus.events.connection import Guard, Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.events.schema import STALENESS_PREFIX, BatchConsumed, Event, TrainStepDone, decode
 
 log = logging.getLogger(__name__)
-
-STALENESS_PREFIX = "staleness_n"
-
 
 @dataclass
 class PolicySummary:

@@ -1,7 +1,7 @@
 """Show a rollout-bus namespace: engines, policies, rq queues, streams, consumer lag, dead letters.
 
-    python scripts/status.py [--redis-url URL] [--namespace NS] [--json] [--watch SECONDS]
-    python scripts/status.py --serve-metrics 9100      # Prometheus exporter of the bus gauges
+    rollout-bus status [--redis-url URL] [--namespace NS] [--json] [--watch SECONDS]
+    rollout-bus status --serve-metrics 9100      # Prometheus exporter of the bus gauges
 
 Reads only (works with the read-only ``status`` ACL user). ``REDIS_URL`` and
 ``ROLLOUT_BUS_NAMESPACE`` are the defaults of ``--redis-url`` and ``--namespace``.
@@ -19,21 +19,17 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 if TYPE_CHECKING:
-    from events.metrics import BusSnapshot
+    from rollout_bus.events.metrics import BusSnapshot
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as ``python scripts/status.py`` from a checkout
-    sys.path.insert(0, str(ROOT))
 log = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="status.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollout-bus status", description=__doc__.split("\n\n")[0])
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="redis:// or rediss:// URL (default $REDIS_URL, else redis://127.0.0.1:6379/0)")
     p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", "default"),
@@ -64,7 +60,7 @@ def _versions(versions: dict[str, int]) -> str:
 
 def render(snap: BusSnapshot, *, now_ms: int | None = None) -> str:
     """The snapshot as plain-text tables."""
-    from events.timeline import format_table
+    from rollout_bus.replay.timeline import format_table
 
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
     out = [f"namespace {snap.namespace}", "", "ENGINES", format_table(
@@ -103,9 +99,9 @@ def as_json(snap: BusSnapshot) -> str:
 def serve(args: argparse.Namespace) -> int:
     from prometheus_client import REGISTRY
 
-    from events.connection import connect
-    from events.metrics import BusCollector, serve_metrics
-    from events.names import Keys
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.metrics import BusCollector, serve_metrics
+    from rollout_bus.events.names import Keys
 
     REGISTRY.register(BusCollector(connect(args.redis_url), Keys(args.namespace)))
     server, _ = serve_metrics(args.serve_metrics)
@@ -123,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.serve_metrics is not None:
         return serve(args)
-    from events.connection import connect, redis_url
-    from events.errors import BusError
-    from events.metrics import bus_snapshot
-    from events.names import Keys
+    from rollout_bus.events.connection import connect, redis_url
+    from rollout_bus.events.errors import BusError
+    from rollout_bus.events.metrics import bus_snapshot
+    from rollout_bus.events.names import Keys
 
     client = connect(args.redis_url)
     keys = Keys(args.namespace)

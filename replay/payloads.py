@@ -6,7 +6,7 @@ encoded bytes (``events.batch`` format) are copied into the log. On import the b
 decoded (checksums verified), re-encoded and put into the target namespace's store under
 the same ref (``<policy>:<batch_id>``); the groups registered on the target batch stream
 become the payload's readers and the ref is indexed, as ``BatchChannel.publish`` does, so
-release and sweep treat an imported batch like a published one.
+release and ``delete_expired`` treat an imported batch like a published one.
 """
 
 from __future__ import annotations
@@ -14,16 +14,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import redis
-
-from events.batch import DEFAULT_MAX_BYTES, decode, encode
-from events.batches import DEFAULT_PAYLOAD_TTL_S, BatchChannel
-from events.connection import Guard
-from events.errors import DecodeError, InvalidRequest, PayloadMissing
-from events.names import Keys
-from events.payload import StoreSpec, make_store
-from events.payload.base import check_ref
-from events.schema import BatchReady
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES, decode, encode
+from rollout_bus.events.batches import DEFAULT_PAYLOAD_TTL_S, BatchChannel
+from rollout_bus.events.connection import Guard, Redis
+from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
+from rollout_bus.events.names import Keys
+from rollout_bus.events.payload import StoreSpec, make_store
+from rollout_bus.events.payload.base import check_ref
+from rollout_bus.events.schema import BatchReady
 
 log = logging.getLogger(__name__)
 _READERS_GRACE_S = 3600
@@ -32,7 +30,7 @@ _READERS_GRACE_S = 3600
 class StorePayloads:
     """``PayloadSource`` and ``PayloadSink`` over one namespace's payload stores."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, store: str | StoreSpec = "redis",
+    def __init__(self, client: Redis, keys: Keys, *, store: str | StoreSpec = "redis",
                  ttl_s: int = DEFAULT_PAYLOAD_TTL_S, guard: Guard | None = None) -> None:
         self.client = client
         self.keys = keys
@@ -62,11 +60,11 @@ class StorePayloads:
         return reference
 
     def _track(self, policy: str, ref: str) -> None:
-        """The stream's registered groups become the payload's readers; the ref goes into the sweep index."""
+        """The stream's registered groups become the payload's readers; the ref goes into the payload index."""
         stream = self.keys.batch_stream(policy)
         readers = self.keys.payload_readers(ref)
 
-        def run(c: redis.Redis) -> None:
+        def run(c: Redis) -> None:
             groups = c.smembers(self.keys.registered_groups(stream))
             sec, usec = c.time()
             pipe = c.pipeline(transaction=True)
@@ -81,7 +79,7 @@ class StorePayloads:
         self.channel.close()
 
 
-def payload_store(client: redis.Redis, keys: Keys, *, store: str | StoreSpec = "redis",
+def payload_store(client: Redis, keys: Keys, *, store: str | StoreSpec = "redis",
                   ttl_s: int = DEFAULT_PAYLOAD_TTL_S) -> StorePayloads:
     """The payload stores of ``keys``' namespace, for ``export_log`` and ``import_log``."""
     return StorePayloads(client, keys, store=store, ttl_s=ttl_s)

@@ -1,6 +1,6 @@
 """Queue one rollout request and optionally wait for its outcome.
 
-    python scripts/request_rollout.py --policy p --rollout-id 0 --groups 4 --samples 8 [--wait]
+    rollout-bus request --policy p --rollout-id 0 --groups 4 --samples 8 [--wait]
 
 Prints the request id; with ``--wait``, the job's result (batch id, samples, metrics) or
 its failure, as JSON. Exit status: 0 done, 1 failed, 2 invalid request, 3 timed out.
@@ -11,16 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/request_rollout.py", description="Queue a rollout request.")
+    p = argparse.ArgumentParser(prog="rollout-bus request", description="Queue a rollout request.")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--namespace", default=None)
     p.add_argument("--policy", required=True)
@@ -45,13 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
 
-    from rq.job import JobStatus
-
-    from events.connection import connect
-    from events.errors import InvalidRequest
-    from events.names import Keys
-    from executor.request import RolloutRequest, SamplingParams
-    from executor.submit import RolloutSubmitter
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.errors import InvalidRequest
+    from rollout_bus.events.names import Keys
+    from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+    from rollout_bus.events.submit import RolloutSubmitter, wait_outcome
 
     keys = Keys(ns.namespace) if ns.namespace else Keys.from_env()
     client = connect(ns.redis_url)
@@ -63,25 +56,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             eval=ns.eval, over_sample_groups=ns.over_sample_groups, std_normalise=ns.std_normalise,
             sampling=SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                                     max_new_tokens=ns.max_new_tokens, stop_token_ids=stops), **extra)
-        job = RolloutSubmitter(client, keys).submit(request)
+        RolloutSubmitter(client, keys).submit(request)
     except InvalidRequest as exc:
         print(f"invalid request: {exc}", file=sys.stderr)
         return 2
     print(request.request_id)
     if not ns.wait:
         return 0
-    deadline = time.monotonic() + ns.timeout_s + 60
-    while time.monotonic() < deadline:
-        status = job.get_status(refresh=True)
-        if status == JobStatus.FINISHED:
-            print(json.dumps(job.return_value(), indent=2))
-            return 0
-        if status == JobStatus.FAILED:
-            result = job.latest_result()
-            print(json.dumps({"status": "failed", "error": result.exc_string if result else None}), file=sys.stderr)
-            return 1
-        time.sleep(0.2)
-    print("timed out waiting for the request", file=sys.stderr)
+    result = wait_outcome(client, request.request_id, ns.timeout_s + 60)
+    if result.state == "finished":
+        print(json.dumps(result.result, indent=2))
+        return 0
+    if result.state == "failed":
+        print(json.dumps({"status": "failed", "error": result.error}), file=sys.stderr)
+        return 1
+    print(f"timed out waiting for the request (still {result.state})", file=sys.stderr)
     return 3
 
 

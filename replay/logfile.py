@@ -28,9 +28,9 @@ from typing import IO, Any
 
 import msgpack
 
-from events.errors import DecodeError
-from events.names import Keys
-from events.schema import BatchReady, Event, decode
+from rollout_bus.events.errors import DecodeError
+from rollout_bus.events.names import BATCHES
+from rollout_bus.events.schema import BatchReady, Event, decode
 
 log = logging.getLogger(__name__)
 
@@ -38,43 +38,6 @@ FORMAT = "rollout-bus-log"
 FORMAT_VERSION = 1
 PART_BYTES = 16 << 20
 _MAX_RECORD_BYTES = 128 << 20  # one record: a payload part or an entry (dead letters keep raw fields)
-BATCHES = "batches/"
-
-
-# --- logical stream names ------------------------------------------------------------------
-
-def _fixed_streams(keys: Keys) -> dict[str, str]:
-    return {
-        "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
-        "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
-    }
-
-
-def logical_stream(keys: Keys, key: str) -> str:
-    """The namespace-free name of stream ``key`` (``engines``, ``batches/p0``...)."""
-    for name, stream in _fixed_streams(keys).items():
-        if stream == key:
-            return name
-    policy = key.rsplit(":", 1)[-1]
-    if keys.batch_stream(policy) == key:
-        return BATCHES + policy
-    raise ValueError(f"{key!r} is not a stream of namespace {keys.namespace!r}")
-
-
-def stream_key(keys: Keys, logical: str) -> str:
-    """The Redis key of logical stream ``logical`` in ``keys``' namespace."""
-    if logical.startswith(BATCHES):
-        return keys.batch_stream(logical[len(BATCHES):])
-    try:
-        return _fixed_streams(keys)[logical]
-    except KeyError:
-        raise ValueError(f"unknown logical stream {logical!r}") from None
-
-
-def batch_stream_pattern(keys: Keys) -> str:
-    """A SCAN pattern matching every batch stream of the namespace."""
-    probe = keys.batch_stream("_")
-    return probe[: -len("_")] + "*"
 
 
 # --- records --------------------------------------------------------------------------------

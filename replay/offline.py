@@ -1,7 +1,7 @@
 """Offline retraining: the reference learner over the batches of an exported log, deterministically.
 
 ``run_offline(config)`` loads the initial weights, then trains one step per recorded batch
-of ``config.policy`` in the log's stream order (``events.feed.feed_batches``), with no
+of ``config.policy`` in the log's stream order (``replay.feed.feed_batches``), with no
 engines and no Redis. The same log, initial weights, seed and settings give the same batch
 ids in the same order and bit-identical weights (``weights_sha256``), on one torch thread
 (the default). Like the live trainer, the version starts at ``initial_version`` and goes up
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from events.feed import feed_batches, trained_batch_ids
-from events.train_data import TrainData
-from lm.model import TinyLM, load_model, save_weights
-from trainer.config import ConfigError, LossSettings, OptimConfig
-from trainer.learner import Learner
-from trainer.staleness import split_stale
+from rollout_bus.events.train_data import TrainData
+from rollout_bus.lm.model import TinyLM, load_model, save_weights
+from rollout_bus.replay.feed import feed_batches, trained_batch_ids
+from rollout_bus.trainer.config import ConfigError, LossSettings, OptimConfig
+from rollout_bus.trainer.learner import Learner
+from rollout_bus.trainer.staleness import split_stale
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import redis
-
-from events.connection import Guard, as_str, is_busygroup
-from events.errors import DecodeError, RedisCommandError
-from events.logfile import Header, LogEntry, LogReader, Payload, id_key, is_batch_ready, stream_key
-from events.names import Keys
-from events.schema import BatchReady, decode, encode
+from rollout_bus.events.connection import Guard, Redis, as_str
+from rollout_bus.events.consume import register_group
+from rollout_bus.events.errors import DecodeError, RedisCommandError
+from rollout_bus.events.names import Keys, stream_key
+from rollout_bus.events.schema import BatchReady, decode, encode
+from rollout_bus.replay.logfile import Header, LogEntry, LogReader, Payload, id_key, is_batch_ready
 
 log = logging.getLogger(__name__)
 _FLUSH_EVERY = 256
@@ -47,7 +46,7 @@ class ImportStats:
     groups: list[str] = field(default_factory=list)
 
 
-def _last_id(client: redis.Redis, stream: str) -> tuple[int, int] | None:
+def _last_id(client: Redis, stream: str) -> tuple[int, int] | None:
     if not client.exists(stream):
         return None
     info = client.xinfo_stream(stream)
@@ -75,7 +74,7 @@ def before(entry_id: str) -> str:
 class Importer:
     """Writes a log's records into ``keys``' namespace; ``run`` drives it from a reader."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, payloads: PayloadSink | None = None,
+    def __init__(self, client: Redis, keys: Keys, *, payloads: PayloadSink | None = None,
                  streams: Sequence[str] | None = None, guard: Guard | None = None) -> None:
         self.client = client
         self.keys = keys
@@ -156,7 +155,7 @@ class Importer:
             return
         queue, self._queue = self._queue, []
 
-        def send(c: redis.Redis) -> None:
+        def send(c: Redis) -> None:
             pipe = c.pipeline(transaction=False)
             for target, fields, entry_id, _ in queue:
                 pipe.xadd(target, fields, id=entry_id)  # type: ignore[arg-type]
@@ -166,7 +165,7 @@ class Importer:
         self.guard.call(send)
 
     @staticmethod
-    def _holds_on(c: redis.Redis, target: str, entry: LogEntry) -> bool:
+    def _holds_on(c: Redis, target: str, entry: LogEntry) -> bool:
         rows: list[Any] = c.xrange(target, min=entry.id, max=entry.id, count=1) or []
         return bool(rows) and as_str(rows[0][0]) == entry.id and _equal_fields(rows[0][1], entry.fields)
 
@@ -209,14 +208,9 @@ class Importer:
         return bool(self.guard.call(lambda c: c.exists(stream)))
 
     def _create_group(self, stream: str, name: str, start: str) -> None:
-        def create(c: redis.Redis) -> None:
-            try:
-                c.xgroup_create(stream, name, id=start, mkstream=True)
-            except redis.ResponseError as exc:
-                if not is_busygroup(exc):
-                    raise
+        def create(c: Redis) -> None:
+            if not register_group(c, self.keys, stream, name, start):
                 log.warning("group %s already exists on %s: left as it is", name, stream)
-            c.sadd(self.keys.registered_groups(stream), name)
         try:
             self.guard.call(create)
         except RedisCommandError:
@@ -225,7 +219,7 @@ class Importer:
         self.stats.groups.append(f"{stream}/{name}@{start}")
 
 
-def import_log(client: redis.Redis, keys: Keys, path: str | Path, *, payloads: PayloadSink | None = None,
+def import_log(client: Redis, keys: Keys, path: str | Path, *, payloads: PayloadSink | None = None,
                streams: Sequence[str] | None = None, restore_groups: bool = False,
                allow_truncated: bool = False, guard: Guard | None = None) -> ImportStats:
     """Import the log at ``path`` into ``keys``' namespace; ``streams`` limits it to those logical names."""

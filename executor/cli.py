@@ -1,4 +1,4 @@
-"""Run one rollout executor: ``python scripts/executor.py --index 0 [--redis-url URL] ...``.
+"""Run one rollout executor: ``rollout-bus executor --index 0 [--redis-url URL] ...``.
 
 Arguments are parsed before anything heavy is imported, so ``--help`` is instant.
 SIGTERM or SIGINT: finish the current job, then stop (a second one stops at once).
@@ -11,28 +11,24 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/executor.py", description="Rollout executor (an rq worker).")
+    p = argparse.ArgumentParser(prog="rollout-bus executor", description="Rollout executor (an rq worker).")
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
     p.add_argument("--namespace", default=None, help="default: $ROLLOUT_BUS_NAMESPACE or 'default'")
     p.add_argument("--index", type=int, default=0, help="stable per host: the worker is <host>-<namespace>-executor-<index>")
     p.add_argument("--queues", default="rollout,eval", help="comma-separated, in priority order: rollout, eval")
     p.add_argument("--payload-store", default="redis", help="redis, shm, shm:/dir or file:/shared/dir")
     g = p.add_argument_group("plug-ins (dotted paths)")
-    g.add_argument("--data-source", default="tasks.arithmetic.ArithmeticSource")
+    g.add_argument("--data-source", default="rollout_bus.tasks.arithmetic.ArithmeticSource")
     g.add_argument("--data-source-args", default="{}", help="JSON object of keyword arguments")
-    g.add_argument("--generate", default="executor.generate.single_turn")
-    g.add_argument("--reward", default="tasks.arithmetic.exact_match")
+    g.add_argument("--generate", default="rollout_bus.executor.generate.single_turn")
+    g.add_argument("--reward", default="rollout_bus.tasks.arithmetic.exact_match")
     g.add_argument("--group-reward", action="store_true", help="the reward takes a group, returns a list")
     g.add_argument("--filter", default=None, help="dynamic sampling filter, e.g. executor.filters.nonzero_reward_std")
-    g.add_argument("--tokenizer", default="lm.tokenizer")
+    g.add_argument("--tokenizer", default="rollout_bus.lm.tokenizer")
     r = p.add_argument_group("engines")
     r.add_argument("--registry-refresh-s", type=float, default=0.5)
     r.add_argument("--engine-cooldown-s", type=float, default=2.0)
@@ -55,11 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(ns: argparse.Namespace) -> Any:
-    from events.names import Keys
-    from executor.config import ExecutorConfig
-    from executor.engines import RouterConfig
-    from executor.plugins import PluginConfig
-    from executor.rollout import RolloutConfig
+    from rollout_bus.events.names import Keys
+    from rollout_bus.executor.config import ExecutorConfig
+    from rollout_bus.executor.engines import RouterConfig
+    from rollout_bus.executor.plugins import PluginConfig
+    from rollout_bus.executor.rollout import RolloutConfig
 
     args = json.loads(ns.data_source_args)
     if not isinstance(args, dict):
@@ -85,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(ns)
 
-    from executor.errors import PluginError
-    from executor.service import ExecutorService
+    from rollout_bus.executor.errors import PluginError
+    from rollout_bus.executor.service import ExecutorService
 
     service = ExecutorService(config)
     try:

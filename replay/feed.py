@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from events.batch import Ragged, decode
-from events.logfile import LogEntry, LogReader, Payload, is_batch_ready
-from events.schema import BatchConsumed, BatchReady
+from rollout_bus.events.batch import Ragged, decode
+from rollout_bus.events.schema import BatchConsumed, BatchReady
+from rollout_bus.replay.logfile import LogEntry, LogReader, Payload, is_batch_ready
 
 log = logging.getLogger(__name__)
 

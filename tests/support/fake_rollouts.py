@@ -21,15 +21,22 @@ from typing import Any
 
 import torch
 
-from events.connection import Guard, Redis
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import PolicyRecord, Registry
-from events.schema import Producer, RolloutRequested, WeightsPublished, WeightVersionServing, decode
-from events.train_data import TrainData, group_normalise, ragged
-from executor.output import BatchSink
-from executor.request import RolloutRequest
-from lm.tokenizer import EOS_ID, encode
+from rollout_bus.events.connection import Guard, Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import stream_entries
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import PolicyRecord, Registry
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.schema import (
+    Producer,
+    RolloutRequested,
+    WeightsPublished,
+    WeightVersionServing,
+    decode,
+)
+from rollout_bus.events.train_data import TrainData, group_normalise, ragged
+from rollout_bus.executor.output import BatchSink
+from rollout_bus.lm.tokenizer import EOS_ID, encode
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +127,9 @@ class FakeRollouts:
     def _read(self) -> list[tuple[str, Any]]:
         reply: Any = self.guard.call(lambda c: c.xread(dict(self._cursors), count=100))
         out: list[tuple[str, Any]] = []
-        rows = reply.items() if isinstance(reply, dict) else (reply or [])
-        for stream, entries in rows:
-            name = stream.decode() if isinstance(stream, bytes) else str(stream)
-            for entry_id, fields in entries:
-                self._cursors[name] = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                out.append((name, fields))
+        for stream, entry_id, fields in stream_entries(reply):
+            self._cursors[stream] = entry_id
+            out.append((stream, fields))
         return out
 
     def _serve(self, event: WeightsPublished) -> None:

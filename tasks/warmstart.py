@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from lm.model import ModelConfig, TinyLM, build_model, pad_batch, save_weights, token_logprobs
-from lm.tokenizer import EOS_ID, encode
-from tasks.arithmetic import problem
+from rollout_bus.lm.model import ModelConfig, TinyLM, build_model, pad_batch, save_weights, token_logprobs
+from rollout_bus.lm.tokenizer import EOS_ID, encode
+from rollout_bus.tasks.arithmetic import problem
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from events import schema as s
-from events.batch import decode
-from events.errors import DecodeError
-from events.logfile import LogEvent, LogReader, Payload, decode_entries
+from rollout_bus.events import schema as s
+from rollout_bus.events.batch import decode
+from rollout_bus.events.errors import DecodeError
+from rollout_bus.replay.logfile import LogEvent, LogReader, Payload, decode_entries
 
 log = logging.getLogger(__name__)
 

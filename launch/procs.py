@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from events import processes
+from rollout_bus.events import processes
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -55,12 +54,12 @@ class ProcessSet:
     """Processes our children started (engines), stopped last."""
 
     def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Child:
-        """Run ``python <args...>`` from the repository root; output goes to ``<log_dir>/<name>.log``."""
+        """Run ``python <args...>`` (this interpreter); output goes to ``<log_dir>/<name>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env, **(env or {}))
+        env = dict(os.environ, **self.env, **(env or {}))
         with log_path.open("ab") as out:
-            proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out,
+            proc = subprocess.Popen([sys.executable, *args], env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         child = Child(name, proc, log_path)
         self.children.append(child)

@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from events.connection import Redis
-from events.names import Keys
-from events.publish import Publisher
-from events.schema import Event, Producer, WeightsPublished, decode
-from lm.files import CONFIG_FILE, WEIGHTS_FILE, sha256_file
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.schema import Event, Producer, WeightsPublished, decode
+from rollout_bus.lm.files import CONFIG_FILE, WEIGHTS_FILE, sha256_file
 
 
 def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.05,

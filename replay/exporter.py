@@ -13,7 +13,7 @@ same live and after an import.
 A batch's payload lives only until its last reader releases it (``events.batches``): once
 the trainer has acked a batch its bytes are gone. To export a run with its batches, call
 ``hold_payloads`` before the run, which registers a group on each policy's batch stream that
-never reads, so every payload stays until its TTL or a sweep (and retention keeps the
+never reads, so every payload stays until its TTL or ``delete_expired`` (and retention keeps the
 entries). ``release_payloads`` lets them go.
 """
 
@@ -27,26 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-import redis
-
-from events.connection import Guard, as_str, is_busygroup
-from events.errors import PayloadMissing
-from events.logfile import (
-    BATCHES,
-    Header,
-    LogEntry,
-    LogWriter,
-    Payload,
-    StreamRange,
-    batch_stream_pattern,
-    is_batch_ready,
-    logical_stream,
-    stream_key,
-)
-from events.names import Keys, check_name
-from events.replay import page
-from events.retention import first_needed
-from events.schema import BatchReady
+from rollout_bus.events.connection import Guard, Redis, as_str
+from rollout_bus.events.consume import register_group
+from rollout_bus.events.errors import PayloadMissing
+from rollout_bus.events.names import BATCHES, Keys, check_name, logical_stream, stream_key
+from rollout_bus.events.paging import discover_streams, page
+from rollout_bus.events.retention import first_needed
+from rollout_bus.events.schema import BatchReady
+from rollout_bus.replay.logfile import Header, LogEntry, LogWriter, Payload, StreamRange, is_batch_ready
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +66,7 @@ class ExportStats:
     missing_payloads: list[str] = field(default_factory=list)
 
 
-def discover_streams(client: redis.Redis, keys: Keys, *, guard: Guard | None = None) -> list[str]:
-    """Every existing stream of the namespace: the fixed ones, then each policy's batch stream."""
-    def run(c: redis.Redis) -> list[str]:
-        found = [st for st in (*keys.event_streams(), keys.dead_letters) if c.exists(st)]
-        batch = {as_str(raw) for raw in c.scan_iter(match=batch_stream_pattern(keys), count=1000, _type="stream")}
-        for raw in c.hkeys(keys.policy_registry):
-            candidate = keys.batch_stream(as_str(raw))
-            if c.exists(candidate):
-                batch.add(candidate)
-        return found + sorted(batch)
-    return (guard or Guard(client, name="export")).call(run)
-
-
-def _group_info(c: redis.Redis, stream: str, info: dict[Any, Any]) -> dict[str, Any]:
+def _group_info(c: Redis, stream: str, info: dict[Any, Any]) -> dict[str, Any]:
     lag, read = info.get("lag"), info.get("entries-read")
     return {
         "name": as_str(info["name"]), "consumers": int(info["consumers"]), "pending": int(info["pending"]),
@@ -101,22 +76,22 @@ def _group_info(c: redis.Redis, stream: str, info: dict[Any, Any]) -> dict[str, 
     }
 
 
-def group_infos(client: redis.Redis, stream: str, *, guard: Guard | None = None) -> list[dict[str, Any]]:
+def group_infos(client: Redis, stream: str, *, guard: Guard | None = None) -> list[dict[str, Any]]:
     """XINFO GROUPS of ``stream`` as plain JSON-able dicts, with each group's first unacked entry."""
-    def run(c: redis.Redis) -> list[dict[str, Any]]:
+    def run(c: Redis) -> list[dict[str, Any]]:
         if not c.exists(stream):
             return []
         return [_group_info(c, stream, info) for info in c.xinfo_groups(stream)]
     return (guard or Guard(client, name="export")).call(run)
 
 
-def _range_of(client: redis.Redis, keys: Keys, stream: str, rng: Range, guard: Guard) -> StreamRange:
+def _range_of(client: Redis, keys: Keys, stream: str, rng: Range, guard: Guard) -> StreamRange:
     length = int(guard.call(lambda c: c.xlen(stream)))
     return StreamRange(logical_stream(keys, stream), rng.start, rng.end, length,
                        group_infos(client, stream, guard=guard))
 
 
-def _stream_entries(client: redis.Redis, keys: Keys, stream: str, rng: Range, guard: Guard,
+def _stream_entries(client: Redis, keys: Keys, stream: str, rng: Range, guard: Guard,
                     count: int) -> Iterator[tuple[tuple[int, int], LogEntry]]:
     logical = logical_stream(keys, stream)
     for entry_id, fields in page(client, stream, rng.start, rng.end, count=count, guard=guard):
@@ -124,7 +99,7 @@ def _stream_entries(client: redis.Redis, keys: Keys, stream: str, rng: Range, gu
         yield entry.sort_key, entry
 
 
-def read_live(client: redis.Redis, keys: Keys, streams: Sequence[str] | None = None, rng: Range | None = None,
+def read_live(client: Redis, keys: Keys, streams: Sequence[str] | None = None, rng: Range | None = None,
               *, count: int = 500, guard: Guard | None = None) -> Iterator[LogEntry]:
     """Every entry of ``streams`` (default: all of the namespace) in ``rng``, merged in entry-id order."""
     g = guard or Guard(client, name="export")
@@ -135,7 +110,7 @@ def read_live(client: redis.Redis, keys: Keys, streams: Sequence[str] | None = N
         yield entry
 
 
-def export_log(client: redis.Redis, keys: Keys, out: str | Path | IO[bytes], *,
+def export_log(client: Redis, keys: Keys, out: str | Path | IO[bytes], *,
                streams: Sequence[str] | None = None, rng: Range | None = None,
                payloads: PayloadSource | None = None, count: int = 500,
                guard: Guard | None = None) -> ExportStats:
@@ -156,7 +131,7 @@ def export_log(client: redis.Redis, keys: Keys, out: str | Path | IO[bytes], *,
     return _write(client, keys, out, header, chosen, r, payloads, count, g)
 
 
-def _write(client: redis.Redis, keys: Keys, fh: IO[bytes], header: Header, streams: list[str], rng: Range,
+def _write(client: Redis, keys: Keys, fh: IO[bytes], header: Header, streams: list[str], rng: Range,
            payloads: PayloadSource | None, count: int, guard: Guard) -> ExportStats:
     writer = LogWriter(fh, header)
     stats = ExportStats()
@@ -181,32 +156,26 @@ def _write(client: redis.Redis, keys: Keys, fh: IO[bytes], header: Header, strea
 HOLD_GROUP = "log-export"
 
 
-def hold_payloads(client: redis.Redis, keys: Keys, policies: Sequence[str], *, group: str = HOLD_GROUP,
+def hold_payloads(client: Redis, keys: Keys, policies: Sequence[str], *, group: str = HOLD_GROUP,
                   guard: Guard | None = None) -> None:
     """Register ``group`` on each policy's batch stream (created if missing) as a reader that never reads.
 
-    Batches published from then on keep their payloads (until their TTL or a sweep), so a later
+    Batches published from then on keep their payloads (until their TTL or ``delete_expired``), so a later
     ``export_log`` can write them; call it before the run.
     """
     check_name("group", group)
 
-    def run(c: redis.Redis) -> None:
+    def run(c: Redis) -> None:
         for policy in policies:
-            stream = keys.batch_stream(policy)
-            try:
-                c.xgroup_create(stream, group, id="$", mkstream=True)
-            except redis.ResponseError as exc:
-                if not is_busygroup(exc):
-                    raise
-            c.sadd(keys.registered_groups(stream), group)
+            register_group(c, keys, keys.batch_stream(policy), group, "$")
     (guard or Guard(client, name="export")).call(run)
 
 
-def release_payloads(client: redis.Redis, keys: Keys, policies: Sequence[str], *, group: str = HOLD_GROUP,
+def release_payloads(client: Redis, keys: Keys, policies: Sequence[str], *, group: str = HOLD_GROUP,
                      guard: Guard | None = None) -> int:
     """Undo ``hold_payloads``: release every payload ``group`` holds and drop the group; returns how many
     payloads were deleted (those no other group still needed)."""
-    from events.batches import BatchChannel
+    from rollout_bus.events.batches import BatchChannel
 
     g = guard or Guard(client, name="export")
     channel = BatchChannel(client, keys, guard=g)
@@ -215,10 +184,10 @@ def release_payloads(client: redis.Redis, keys: Keys, policies: Sequence[str], *
         for policy in policies:
             stream = keys.batch_stream(policy)
 
-            def unregister(c: redis.Redis, st: str = stream) -> None:
+            def unregister(c: Redis, st: str = stream) -> None:
                 c.srem(keys.registered_groups(st), group)
 
-            def destroy(c: redis.Redis, st: str = stream) -> None:
+            def destroy(c: Redis, st: str = stream) -> None:
                 if c.exists(st):
                     c.xgroup_destroy(st, group)
             g.call(unregister)

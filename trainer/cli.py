@@ -1,16 +1,11 @@
-"""Run one trainer, or a recorder beside one: ``python scripts/trainer.py [train|record|offline] ...``.
+"""``rollout-bus trainer [train|record] ...``: one trainer, or a recorder beside one.
 
 ``train`` (the default) runs the reference GRPO trainer of one policy; ``record`` runs a
-passive subscriber that writes the policy's batches to a directory; ``offline`` retrains
-from the batches of an exported log (``scripts/replay.py export``), without engines or
-Redis, deterministically (``trainer.offline``)::
-
-    python scripts/trainer.py offline --log run.rblog --policy p0 --model-path INIT [--steps N] [--out DIR]
-
-It prints one JSON line (batch ids in training order, final metrics, the weights' sha256)
-and, with ``--out``, writes ``batch_ids.txt``, ``result.json`` and ``model/``. Flags are parsed
-before torch or Redis clients are imported, so ``--help`` is instant. SIGTERM or SIGINT
-stops at once; the checkpoint written after every step is what a restart resumes from.
+passive subscriber that writes the policy's batches to a directory (also ``rollout-bus
+record``). Retraining from an exported log is ``rollout-bus replay offline`` (also reachable
+as ``rollout-bus trainer offline``). Flags are parsed before torch or Redis clients are
+imported, so ``--help`` is instant. SIGTERM or SIGINT stops at once; the checkpoint written
+after every step is what a restart resumes from.
 """
 
 from __future__ import annotations
@@ -20,18 +15,14 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.offline import OfflineConfig
+    from rollout_bus.trainer.service import Trainer
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer.config import (  # noqa: E402  (light: dataclasses only)
+from rollout_bus.trainer.config import (  # light: dataclasses only
     DP_STRATEGIES,
     MODES,
     STALE_POLICIES,
@@ -43,7 +34,7 @@ from trainer.config import (  # noqa: E402  (light: dataclasses only)
     TrainerConfig,
 )
 
-COMMANDS = ("train", "record", "offline")
+COMMANDS = ("train", "record")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -54,7 +45,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/trainer.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollout-bus trainer", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
     t = sub.add_parser("train", help="the reference GRPO trainer (default)")
     _common(t)
@@ -99,26 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--name", default="recorder", help="consumer group")
     r.add_argument("--start", default="0", help="where a new group starts: 0 (all retained) or $ (new only)")
     r.add_argument("--max-batches", type=int, default=None)
-    o = sub.add_parser("offline", help="retrain from an exported log's batches (no engines, no Redis)")
-    o.add_argument("--log", required=True, help="a log file written by scripts/replay.py export (with payloads)")
-    o.add_argument("--policy", required=True, help="train on this policy's batches")
-    o.add_argument("--model-path", required=True, help="initial weights (config.json + model.safetensors)")
-    o.add_argument("--steps", type=int, default=0, help="stop after N steps (0: every batch of the log)")
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--out", default=None, help="write batch_ids.txt, result.json and model/ here")
-    o.add_argument("--initial-version", type=int, default=0)
-    o.add_argument("--max-staleness", type=int, default=None,
-                   help="leave out groups more than this many versions behind (default: train every sample)")
-    o.add_argument("--trained-only", action="store_true",
-                   help="only the batches a trainer of the log accepted (its BatchConsumed events)")
-    o.add_argument("--lr", type=float, default=5e-4)
-    o.add_argument("--epochs", type=int, default=1)
-    o.add_argument("--minibatches", type=int, default=1)
-    o.add_argument("--tis-cap", type=float, default=2.0)
-    o.add_argument("--ppo-clip", type=float, default=0.2, help="<= 0 turns the PPO clip off")
-    o.add_argument("--torch-threads", type=int, default=1, help="more than 1 may cost bit-exact reproducibility")
-    o.add_argument("--allow-truncated", action="store_true", help="read a log without its end record")
-    o.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
@@ -130,7 +101,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
-    from events.names import Keys
+    from rollout_bus.events.names import Keys
 
     data: Any = json.loads(ns.data)
     if not isinstance(data, dict):
@@ -157,17 +128,20 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_trainer(ns: argparse.Namespace) -> int:
+def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None = None) -> int:
+    """Run the reference trainer; ``setup`` sees it before it starts (to add hooks)."""
     config = trainer_config(ns)
 
-    from events.connection import connect
-    from events.metrics import serve_metrics
-    from trainer.service import Trainer
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.metrics import serve_metrics
+    from rollout_bus.trainer.service import Trainer
 
     if ns.metrics_port is not None:
         serve_metrics(ns.metrics_port)
     client = connect(config.redis_url)
     trainer = Trainer(config, client)
+    if setup is not None:
+        setup(trainer)
     try:
         trainer.start()
         state = trainer.run()
@@ -179,9 +153,9 @@ def run_trainer(ns: argparse.Namespace) -> int:
 
 
 def run_recorder(ns: argparse.Namespace) -> int:
-    from events.connection import connect
-    from events.names import Keys
-    from trainer.recorder import Recorder, RecorderConfig
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.names import Keys
+    from rollout_bus.trainer.recorder import Recorder, RecorderConfig
 
     client = connect(ns.redis_url)
     keys = Keys(ns.namespace) if ns.namespace else Keys.from_env()
@@ -197,46 +171,12 @@ def run_recorder(ns: argparse.Namespace) -> int:
     return 0
 
 
-def offline_config(ns: argparse.Namespace) -> OfflineConfig:
-    from trainer.offline import OfflineConfig
-
-    return OfflineConfig(
-        log=ns.log, model_path=ns.model_path, policy=ns.policy, steps=ns.steps, seed=ns.seed,
-        initial_version=ns.initial_version, max_staleness=ns.max_staleness, trained_only=ns.trained_only,
-        torch_threads=ns.torch_threads, allow_truncated=ns.allow_truncated,
-        optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),
-        loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None),
-    ).validate()
-
-
-def run_offline(ns: argparse.Namespace) -> int:
-    from trainer.config import ConfigError
-
-    try:
-        config = offline_config(ns)
-    except ConfigError as exc:
-        raise SystemExit(str(exc)) from None
-
-    from trainer.offline import run_offline as train_offline
-    from trainer.offline import write_outputs
-
-    result, model = train_offline(config)
-    out = str(write_outputs(result, model, ns.out)) if ns.out else None
-    print(json.dumps({"log": result.log, "policy": result.policy, "steps": len(result.batch_ids),
-                      "batch_ids": result.batch_ids, "skipped": result.skipped, "version": result.version,
-                      "weights_sha256": result.weights_sha256,
-                      "final_metrics": result.to_dict()["final_metrics"], "out": out}, sort_keys=True))
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse(argv)
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     if ns.command == "record":
         return run_recorder(ns)
-    if ns.command == "offline":
-        return run_offline(ns)
     return run_trainer(ns)
 
 

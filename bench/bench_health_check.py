@@ -1,14 +1,14 @@
-"""Health sweep over 32 engines with one hung: the sweep takes about one timeout, not 32.
+"""Health check round over 32 engines with one hung: the round takes about one timeout, not 32.
 
 32 real torch engines do not fit on a small CI machine, so this benchmark runs 32
 lightweight aiohttp stub servers *in this process*, each answering ``/health_generate``
 after a short delay like a one-token generation, except the hung ones, which never
-answer. The sweep itself is the controller's own (``controller.health.sweep``, the
+answer. The round itself is the controller's own (``controller.health.check_all``, the
 same code the controller runs every interval), so what is measured is its concurrency.
-For contrast it also times a one-after-another sweep (miles' monitor checks engines in
+For contrast it also times a one-after-another round (miles' monitor checks engines in
 turn), where every hung engine costs a full timeout.
 
-    python bench/bench_health_sweep.py [--engines 32] [--hung 1,4] [--timeout-s 1.0] [--repeats 5]
+    python bench/bench_health_check.py [--engines 32] [--hung 1,4] [--timeout-s 1.0] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.health import HealthResult, check_engine, sweep  # noqa: E402
-from engine.http_client import EngineClient, close_shared_session  # noqa: E402
+from rollout_bus.controller.health import HealthResult, check_all, check_engine  # noqa: E402
+from rollout_bus.engine.http_client import EngineClient, close_shared_session  # noqa: E402
 
 
 async def start_stub(hung: bool, delay_s: float) -> tuple[web.AppRunner, str]:
@@ -56,11 +56,11 @@ async def main(args: argparse.Namespace) -> None:
 async def scenario(args: argparse.Namespace, hung: int) -> None:
     stubs = [await start_stub(i < hung, args.delay_ms / 1000) for i in range(args.engines)]
     clients = {f"stub-{i}": EngineClient(url) for i, (_, url) in enumerate(stubs)}
-    await sweep(clients, args.timeout_s)  # warm the connection pool
+    await check_all(clients, args.timeout_s)  # warm the connection pool
     parallel_s, seq_s = [], []
     for _ in range(args.repeats):
         t = time.perf_counter()
-        results = await sweep(clients, args.timeout_s)
+        results = await check_all(clients, args.timeout_s)
         parallel_s.append(time.perf_counter() - t)
         assert sum(not r.ok for r in results) == hung, results
     for _ in range(max(1, args.repeats // 2)):
@@ -70,9 +70,9 @@ async def scenario(args: argparse.Namespace, hung: int) -> None:
     par, seq = statistics.median(parallel_s), statistics.median(seq_s)
     print(f"engines={args.engines} hung={hung} timeout={args.timeout_s:.3f}s "
           f"healthy-check delay={args.delay_ms:.1f}ms repeats={args.repeats}")
-    print(f"parallel sweep (controller):   median {par:.3f}s  min {min(parallel_s):.3f}s  max {max(parallel_s):.3f}s"
+    print(f"parallel round (controller):   median {par:.3f}s  min {min(parallel_s):.3f}s  max {max(parallel_s):.3f}s"
           f"  = {par / args.timeout_s:.2f} x timeout")
-    print(f"sequential sweep (one by one): median {seq:.3f}s  = {seq / args.timeout_s:.2f} x timeout")
+    print(f"sequential round (one by one): median {seq:.3f}s  = {seq / args.timeout_s:.2f} x timeout")
     print(f"sequential / parallel: {seq / par:.1f}x;  worst case if all {args.engines} hung, sequential: "
           f"{args.engines * args.timeout_s:.1f}s = {args.engines} x timeout, parallel: ~1 x timeout")
     await close_shared_session()

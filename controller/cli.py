@@ -1,4 +1,4 @@
-"""Run the inference controller: ``python scripts/controller.py --model-path DIR --weights-root DIR``.
+"""Run the inference controller: ``rollout-bus controller --model-path DIR --weights-root DIR``.
 
 Flags are parsed into a validated ``ControllerConfig`` before anything heavy is
 imported, so ``--help`` and config errors come back at once. The controller then waits
@@ -12,17 +12,13 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from controller.config import BACKENDS, PAUSE_MODES, ConfigError, ControllerConfig  # noqa: E402
+from rollout_bus.controller.config import BACKENDS, PAUSE_MODES, ConfigError, ControllerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = ControllerConfig()
-    p = argparse.ArgumentParser(prog="controller", description="rollout-bus inference controller")
+    p = argparse.ArgumentParser(prog="rollout-bus controller", description="rollout-bus inference controller")
     p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", d.namespace))
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
     p.add_argument("--instance", default=d.instance, help="stable instance name (consumer names, producer)")
@@ -74,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio
     import signal
 
-    from controller.lease import Lease, owner_token
-    from controller.runner import LeaderRunner
-    from controller.service import InferenceController
-    from events.connection import connect
-    from events.names import Keys
+    from rollout_bus.controller.lease import Lease, owner_token
+    from rollout_bus.controller.runner import LeaderRunner
+    from rollout_bus.controller.service import InferenceController
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.names import Keys
 
     async def run() -> None:
         client = connect(config.redis_url)

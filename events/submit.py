@@ -11,24 +11,27 @@ import logging
 import math
 import os
 import socket
+import time
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from rq import Queue, Retry
-from rq.exceptions import DuplicateJobError
-from rq.job import Callback, Job
+from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq.job import Callback, Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from events.connection import Redis
-from events.names import Keys
-from events.publish import Publisher
-from events.registry import Registry
-from events.schema import Producer, RolloutRequested
-from executor.request import RolloutRequest
+from rollout_bus.events.connection import Redis
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
+from rollout_bus.events.registry import Registry
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.schema import Producer, RolloutRequested
 
 log = logging.getLogger(__name__)
 
-JOB_FUNC = "executor.jobs.run_rollout"
-FAILURE_CALLBACK = "executor.jobs.on_job_failure"
+JOB_FUNC = "rollout_bus.executor.jobs.run_rollout"
+FAILURE_CALLBACK = "rollout_bus.executor.jobs.on_job_failure"
 
 
 @dataclass
@@ -98,6 +101,45 @@ class RolloutSubmitter:
         if remaining is None:
             return self.config.job_timeout_s
         return max(1, math.ceil(remaining)) + self.config.deadline_grace_s
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Where a queued request stands: its job's state, and its result or error once it ended."""
+
+    state: Literal["queued", "running", "finished", "failed"]
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("finished", "failed")
+
+
+def outcome(client: Redis, request_id: str) -> Outcome:
+    """The state of request ``request_id`` (``InvalidRequest`` if no such request is queued)."""
+    try:
+        job = Job.fetch(request_id, connection=client, serializer=JSONSerializer)
+    except NoSuchJobError:
+        raise InvalidRequest(f"no rollout request {request_id!r} is queued (or its record expired)") from None
+    status = job.get_status(refresh=True)
+    if status == JobStatus.FINISHED:
+        value = job.return_value()
+        return Outcome("finished", result=value if isinstance(value, dict) else {"value": value})
+    if status == JobStatus.FAILED:
+        last = job.latest_result()
+        return Outcome("failed", error=last.exc_string if last is not None else "failed")
+    return Outcome("running" if status == JobStatus.STARTED else "queued")
+
+
+def wait_outcome(client: Redis, request_id: str, timeout_s: float, *, poll_s: float = 0.2) -> Outcome:
+    """Poll ``outcome`` until the request ended or ``timeout_s`` passed (then its last state)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = outcome(client, request_id)
+        if current.ended or time.monotonic() >= deadline:
+            return current
+        time.sleep(poll_s)
 
 
 def registry_policies(registry: Registry) -> set[str]:

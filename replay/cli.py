@@ -1,13 +1,18 @@
 """Event logs of a rollout-bus namespace: export, import, timeline, verify, feed.
 
-    python scripts/replay.py export run.rblog [--stream weights --stream batches/p0] [--since-ms MS] [--until-ms MS]
-    python scripts/replay.py import run.rblog --namespace copy [--restore-groups]
-    python scripts/replay.py timeline run.rblog [--at-ms MS] [--json]      # or --live instead of a file
-    python scripts/replay.py verify run.rblog [--base-version 0 | --strict] [--json]
-    python scripts/replay.py feed run.rblog [--policy p0] [--limit N]
-    python scripts/replay.py hold --policy p0 [--release]   # before a run: keep its batch payloads for export
+    rollout-bus replay export run.rblog [--stream weights --stream batches/p0] [--since-ms MS] [--until-ms MS]
+    rollout-bus replay import run.rblog --namespace copy [--restore-groups]
+    rollout-bus replay timeline run.rblog [--at-ms MS] [--json]      # or --live instead of a file
+    rollout-bus replay verify run.rblog [--base-version 0 | --strict] [--json]
+    rollout-bus replay feed run.rblog [--policy p0] [--limit N]
+    rollout-bus replay hold --policy p0 [--release]   # before a run: keep its batch payloads for export
 
-Retraining from a log is ``scripts/trainer.py offline --log run.rblog ...`` (``trainer.offline``).
+    rollout-bus replay offline --log run.rblog --policy p0 --model-path INIT [--steps N] [--out DIR]
+
+``offline`` retrains from the batches of an exported log, without engines or Redis,
+deterministically (``replay.offline``); it prints one JSON line (batch ids in training
+order, final metrics, the weights' sha256) and, with ``--out``, writes ``batch_ids.txt``,
+``result.json`` and ``model/``.
 
 ``--redis-url`` (default ``$REDIS_URL``) and ``--namespace`` (default
 ``$ROLLOUT_BUS_NAMESPACE`` or ``default``) name the live side. ``verify`` exits 1 when it
@@ -22,12 +27,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as ``python scripts/replay.py`` from a checkout
-    sys.path.insert(0, str(ROOT))
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _source_args(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replay.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollout-bus replay", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     ex = sub.add_parser("export", help="write a namespace's streams (and batch payloads) to a log file")
@@ -105,16 +105,37 @@ def parser() -> argparse.ArgumentParser:
     ho.add_argument("--group", default=None, help="the holding group (default log-export)")
     ho.add_argument("--release", action="store_true", help="let go of what the group holds and drop it")
     _live_args(ho)
+
+    o = sub.add_parser("offline", help="retrain from an exported log's batches (no engines, no Redis)")
+    o.add_argument("--log", required=True, help="a log file written by rollout-bus replay export (with payloads)")
+    o.add_argument("--policy", required=True, help="train on this policy's batches")
+    o.add_argument("--model-path", required=True, help="initial weights (config.json + model.safetensors)")
+    o.add_argument("--steps", type=int, default=0, help="stop after N steps (0: every batch of the log)")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--out", default=None, help="write batch_ids.txt, result.json and model/ here")
+    o.add_argument("--initial-version", type=int, default=0)
+    o.add_argument("--max-staleness", type=int, default=None,
+                   help="leave out groups more than this many versions behind (default: train every sample)")
+    o.add_argument("--trained-only", action="store_true",
+                   help="only the batches a trainer of the log accepted (its BatchConsumed events)")
+    o.add_argument("--lr", type=float, default=5e-4)
+    o.add_argument("--epochs", type=int, default=1)
+    o.add_argument("--minibatches", type=int, default=1)
+    o.add_argument("--tis-cap", type=float, default=2.0)
+    o.add_argument("--ppo-clip", type=float, default=0.2, help="<= 0 turns the PPO clip off")
+    o.add_argument("--torch-threads", type=int, default=1, help="more than 1 may cost bit-exact reproducibility")
+    o.add_argument("--allow-truncated", action="store_true", help="read a log without its end record")
+    o.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
 def _events(args: argparse.Namespace) -> Iterator[Any]:
-    from events.logexport import read_live
-    from events.logfile import LogReader, decode_entries
+    from rollout_bus.replay.exporter import read_live
+    from rollout_bus.replay.logfile import LogReader, decode_entries
 
     if args.live:
-        from events.connection import connect
-        from events.names import Keys
+        from rollout_bus.events.connection import connect
+        from rollout_bus.events.names import Keys
 
         client = connect(args.redis_url)
         try:
@@ -132,10 +153,10 @@ def _check_source(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from events.connection import connect
-    from events.logexport import Range, export_log, resolve_streams
-    from events.logpayloads import payload_store
-    from events.names import Keys
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.names import Keys
+    from rollout_bus.replay.exporter import Range, export_log, resolve_streams
+    from rollout_bus.replay.payloads import payload_store
 
     keys = Keys(args.namespace)
     client = connect(args.redis_url)
@@ -156,10 +177,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from events.connection import connect
-    from events.logimport import import_log
-    from events.logpayloads import payload_store
-    from events.names import Keys
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.names import Keys
+    from rollout_bus.replay.importer import import_log
+    from rollout_bus.replay.payloads import payload_store
 
     keys = Keys(args.namespace)
     client = connect(args.redis_url)
@@ -179,7 +200,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from events.timeline import render, timeline
+    from rollout_bus.replay.timeline import render, timeline
 
     _check_source(args)
     t = timeline(_events(args), at_ms=args.at_ms)
@@ -188,7 +209,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from events.verify import VerifyConfig, verify, verify_log
+    from rollout_bus.replay.verify import VerifyConfig, verify, verify_log
 
     _check_source(args)
     config = VerifyConfig(base_version=None if args.strict else args.base_version)
@@ -206,8 +227,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
-    from events.batch import Ragged
-    from events.feed import feed_batches
+    from rollout_bus.events.batch import Ragged
+    from rollout_bus.replay.feed import feed_batches
 
     for n, (batch_id, tensors, meta) in enumerate(feed_batches(args.log, policy=args.policy), 1):
         shapes = {name: [len(t)] if isinstance(t, Ragged) else list(t.shape) for name, t in sorted(tensors.items())}
@@ -221,9 +242,9 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_hold(args: argparse.Namespace) -> int:
-    from events.connection import connect
-    from events.logexport import HOLD_GROUP, hold_payloads, release_payloads
-    from events.names import Keys
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.names import Keys
+    from rollout_bus.replay.exporter import HOLD_GROUP, hold_payloads, release_payloads
 
     keys = Keys(args.namespace)
     group = args.group or HOLD_GROUP
@@ -240,13 +261,46 @@ def cmd_hold(args: argparse.Namespace) -> int:
     return 0
 
 
+def offline_config(ns: argparse.Namespace) -> Any:
+    from rollout_bus.replay.offline import OfflineConfig
+    from rollout_bus.trainer.config import LossSettings, OptimConfig
+
+    return OfflineConfig(
+        log=ns.log, model_path=ns.model_path, policy=ns.policy, steps=ns.steps, seed=ns.seed,
+        initial_version=ns.initial_version, max_staleness=ns.max_staleness, trained_only=ns.trained_only,
+        torch_threads=ns.torch_threads, allow_truncated=ns.allow_truncated,
+        optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),
+        loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None),
+    ).validate()
+
+
+def cmd_offline(ns: argparse.Namespace) -> int:
+    from rollout_bus.trainer.config import ConfigError
+
+    try:
+        config = offline_config(ns)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+    from rollout_bus.replay.offline import run_offline as train_offline
+    from rollout_bus.replay.offline import write_outputs
+
+    result, model = train_offline(config)
+    out = str(write_outputs(result, model, ns.out)) if ns.out else None
+    print(json.dumps({"log": result.log, "policy": result.policy, "steps": len(result.batch_ids),
+                      "batch_ids": result.batch_ids, "skipped": result.skipped, "version": result.version,
+                      "weights_sha256": result.weights_sha256,
+                      "final_metrics": result.to_dict()["final_metrics"], "out": out}, sort_keys=True))
+    return 0
+
+
 COMMANDS = {"export": cmd_export, "import": cmd_import, "timeline": cmd_timeline, "verify": cmd_verify,
-            "feed": cmd_feed, "hold": cmd_hold}
+            "feed": cmd_feed, "hold": cmd_hold, "offline": cmd_offline}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     return COMMANDS[args.command](args)
 
 

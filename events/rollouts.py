@@ -15,8 +15,8 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from events.errors import InvalidRequest
-from events.names import check_name
+from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.names import check_name
 
 # rq job ids take letters, digits, '_' and '-'; 58 so that the batch id "batch-<request_id>" fits in 64
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,58}")
@@ -75,6 +75,11 @@ class RolloutRequest:
     """Groups drawn per sampling round (>= n_groups); the round stops once n_groups are kept."""
     std_normalise: bool = False
     """GRPO: divide each group's centred rewards by the group's std + eps."""
+    returned: list[dict[str, Any]] = field(default_factory=list)
+    """Data-source items the trainer gives back (the prompts of groups it dropped as stale): the
+    executor returns them to the policy's data source the first time this request draws
+    prompts, exactly once whatever the retries, and they go out first. Each needs an
+    integer ``index``."""
 
     @classmethod
     def create(cls, policy: str, rollout_id: int, n_groups: int, n_samples_per_group: int, *,
@@ -144,6 +149,10 @@ class RolloutRequest:
                 problems.append(f"deadline_ms is {ago:.3f}s in the past: give a later deadline or a timeout")
         if not isinstance(self.data, dict) or not all(isinstance(k, str) for k in self.data):
             problems.append("data must be a map with string keys")
+        if not isinstance(self.returned, list) or not all(
+                isinstance(it, dict) and _int(it.get("index")) and all(isinstance(k, str) for k in it)
+                for it in self.returned):
+            problems.append("returned must be a list of data-source items (maps with an integer 'index')")
         for name in ("eval", "std_normalise"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false")

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from events import schema as s
-from events.logfile import LogEvent
-from events.registry import EngineState
+from rollout_bus.events import schema as s
+from rollout_bus.events.registry import EngineState
+from rollout_bus.replay.logfile import LogEvent
 
 
 def version_at(history: Sequence[tuple[int, int]], ms: int) -> int | None:

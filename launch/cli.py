@@ -1,0 +1,112 @@
+"""``rollout-bus run``: a whole async RL run on one machine, in one command.
+
+``rollout-bus run [--mode sync|one-step|async] [--trainers N] [--executors N]
+[--engines N] [--steps N] [--seed S] [--out DIR] [--metrics-base-port PORT]``
+
+Without ``REDIS_URL`` (or ``--redis-url``) it starts a private ``redis-server`` on a free
+port. It warm-starts the model briefly (supervised, noisy labels: the reward starts well
+below its ceiling), then starts the controller (which launches the engines), the
+executors and one trainer per policy, each as a process (``python -m rollout_bus <role>``),
+follows the trainers' events with a progress bar, prints a summary (reward before and
+after, steps/s and samples/s, staleness histogram), writes ``<out>/reward.png`` and
+``<out>/summary.json``, and stops everything it started, by pid, on exit, on error and on
+Ctrl-C. With ``--metrics-base-port N`` every process serves Prometheus ``/metrics``: the
+controller on N, executor i on N+1+i, then the trainers, then a bus exporter
+(``rollout-bus status --serve-metrics``: consumer lag, pending, dead letters, rq queues);
+the URLs are printed at the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+from rollout_bus.launch.config import MODES, STALE_POLICIES, RunConfig, RunFailed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollout-bus run", description=__doc__.split("\n\n")[0])
+    d = RunConfig()
+    p.add_argument("--mode", choices=MODES, default=d.mode)
+    p.add_argument("--trainers", type=int, default=d.trainers, help="policies trained at once (one trainer each)")
+    p.add_argument("--executors", type=int, default=d.executors)
+    p.add_argument("--engines", type=int, default=d.engines)
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps per trainer")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out, help="logs, weights, checkpoints, summary.json, reward.png")
+    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else a private redis-server")
+    p.add_argument("--namespace", default=None, help="default: a fresh one per run")
+    g = p.add_argument_group("rollouts and training")
+    g.add_argument("--n-groups", type=int, default=d.n_groups, help="prompts per rollout")
+    g.add_argument("--n-samples", type=int, default=d.n_samples, help="samples per prompt")
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    g.add_argument("--in-flight", type=int, default=d.in_flight, help="async: requests in flight")
+    g.add_argument("--max-staleness", type=int, default=d.max_staleness)
+    g.add_argument("--stale-policy", choices=STALE_POLICIES, default=d.stale_policy)
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--epochs", type=int, default=d.epochs)
+    g.add_argument("--minibatches", type=int, default=d.minibatches)
+    g.add_argument("--digits", type=int, default=d.digits, help="arithmetic task: digits per operand")
+    g.add_argument("--token-delay-ms", type=float, default=d.token_delay_ms, help="engine sleep per decode step")
+    g.add_argument("--engine-max-batch", type=int, default=d.engine_max_batch,
+                   help="sequences an engine decodes together")
+    g.add_argument("--warm-steps", type=int, default=d.warm_steps)
+    g.add_argument("--warm-keep", type=float, default=d.warm_keep, help="share of correct warm-start labels")
+    g.add_argument("--trainer-arg", dest="trainer_args", action="append", default=[],
+                   help="extra `rollout-bus trainer` argument (repeatable), e.g. --trainer-arg=--tis-cap=3")
+    x = p.add_argument_group("extras")
+    x.add_argument("--recorder", action="store_true", help="record the first policy's batches")
+    x.add_argument("--metrics-base-port", type=int, default=d.metrics_base_port, metavar="PORT",
+                   help="serve /metrics: controller on PORT, executors on PORT+1.., then trainers, then the bus "
+                        "exporter (default 0: off)")
+    x.add_argument("--timeout-s", type=float, default=d.timeout_s)
+    x.add_argument("--no-progress", dest="progress", action="store_false")
+    x.add_argument("--no-plot", dest="plot", action="store_false")
+    x.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> RunConfig:
+    values = {k: v for k, v in vars(ns).items() if k in RunConfig.__dataclass_fields__}
+    config = RunConfig(**values)
+    problems = [f"--{name} must be >= 1" for name in ("trainers", "executors", "engines", "steps")
+                if getattr(config, name) < 1]
+    n_ports = config.executors + config.trainers + 2
+    if config.metrics_base_port < 0 or (config.metrics_base_port and config.metrics_base_port + n_ports > 65536):
+        problems.append(f"--metrics-base-port must be 0 (off) or leave room for {n_ports} ports below 65536")
+    if problems:
+        raise SystemExit("; ".join(problems))
+    return config
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(ns)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
+    from rollout_bus.launch.job import run_job
+
+    try:
+        result = run_job(config)
+    except RunFailed as exc:
+        print(f"run failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: everything this run started is stopped", file=sys.stderr)
+        return 130
+    print(result.text)
+    print(f"outputs in {result.out} (summary.json{', reward.png' if config.plot else ''}, logs/)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
