@@ -38,6 +38,7 @@ from rollout_bus.trainer.checkpoint import CheckpointStore, TrainerState
 from rollout_bus.trainer.client import ClientConfig, ReceivedBatch, RolloutClient
 from rollout_bus.trainer.config import ConfigError, TrainerConfig
 from rollout_bus.trainer.learner import Learner
+from rollout_bus.trainer.metric_loggers import StepLogger
 from rollout_bus.trainer.requeue import stale_items
 from rollout_bus.trainer.staleness import split_stale
 from rollout_bus.trainer.weights import WeightPublisher
@@ -75,6 +76,8 @@ class Trainer:
         self.state: TrainerState | None = None
         self.client: RolloutClient | None = None
         self.weights: WeightPublisher | None = None
+        self.step_log: StepLogger | None = None
+        """Each step's metrics to the backends of ``config.log`` (after the step's version is published)."""
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         self.publisher = Publisher(client, self.keys, self.producer)
         self._timers = _Timers()
@@ -107,6 +110,7 @@ class Trainer:
             rollout=cfg.rollout), self.producer)
         self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
                                        self.producer, keep_versions=cfg.publish.keep_versions)
+        self.step_log = StepLogger(cfg)
         self.client.start()
         self.weights.adopt(self.state.version)
         self._ensure_served()
@@ -120,6 +124,8 @@ class Trainer:
     def stop(self) -> None:
         if self.client is not None:
             self.client.stop()
+        if self.step_log is not None:
+            self.step_log.close()
 
     def _ensure_served(self) -> None:
         """Publish the current version if the controller never got it; wait until it is served."""
@@ -316,7 +322,7 @@ class Trainer:
         state.rewards.append(reward)
         t1 = time.perf_counter()
         metrics.update(
-            reward_mean=reward, reward_batch_mean=float(batch.data.raw_reward.mean()) if batch.data else reward,
+            reward_mean=reward, reward_std=float(data.raw_reward.float().std(correction=0)), reward_batch_mean=float(batch.data.raw_reward.mean()) if batch.data else reward,
             n_samples=float(len(data)), n_samples_batch=float(batch.event.n_samples),
             staleness_max=float(trained_staleness.max()), staleness_mean=float(trained_staleness.float().mean()),
             batch_staleness=float(batch_staleness), batch_staleness_all_max=float(staleness_all.max()),
@@ -328,6 +334,7 @@ class Trainer:
         state.last_metrics = metrics
         assert self.weights is not None and self.model is not None
         self.weights.save(self.model, state.version)
+        metrics["weights_save_ms"] = (time.perf_counter() - t1) * 1000
         if self.store is not None:
             self.store.save(state, self.model, learner.optimizer)
         metrics["save_ms"] = (time.perf_counter() - t1) * 1000
@@ -355,7 +362,10 @@ class Trainer:
             waited = self.weights.wait_serving(state.version, cfg.publish.serving_timeout_s,
                                                after_id=published.entry_id)
             m.STEP_SECONDS.labels(*self._labels, "wait_serving").observe(waited)
-        self._announce_step(publish_ms=(t1 - t0) * 1000, serving_wait_ms=waited * 1000)
+        timings = {"publish_ms": (t1 - t0) * 1000, "serving_wait_ms": waited * 1000}
+        self._announce_step(**timings)
+        if self.step_log is not None:
+            self.step_log.step(state.step, state.version, {**state.last_metrics, **timings})
 
     def _announce_step(self, **extra: float) -> None:
         """``TrainStepDone`` of the current step (once: a restart repeats it under the same key)."""
