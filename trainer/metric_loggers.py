@@ -183,7 +183,7 @@ class WandbLogger:
     def __init__(self, directory: Path, run: str, group: str, project: str, config: dict[str, Any]) -> None:
         wandb = _import_backend("wandb", "wandb")
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        if mode == "offline":
+        if not os.environ.get("WANDB_MODE") and mode == "offline":
             log.info("W&B logs offline (set WANDB_MODE=online or WANDB_API_KEY to sync as it goes; "
                      "`wandb sync` uploads it later)")
         directory.mkdir(parents=True, exist_ok=True)
