@@ -84,6 +84,14 @@ class Picture:
     """Per trainer: (ms, step) of each ``TrainStepDone``."""
     events: int = 0
 
+    def counts(self) -> str:
+        """``"2 engines, 115 batches, 1 restart, 2 dead letters"``."""
+        def n(count: int, one: str, many: str) -> str:
+            return f"{count} {one if count == 1 else many}"
+        return ", ".join([n(len(self.lanes), "engine", "engines"), n(len(self.batches), "batch", "batches"),
+                          n(len(self.restarts), "restart", "restarts"),
+                          n(len(self.dead_letters), "dead letter", "dead letters")])
+
     @property
     def policies(self) -> list[str]:
         return sorted({*self.published, *self.serving, *(b.policy for b in self.batches)})
@@ -157,7 +165,8 @@ def picture(entries: Iterable[LogEntry]) -> Picture:
             elif isinstance(ev, s.TrainStepDone):
                 pic.steps.setdefault(ev.trainer_id, []).append((ms, ev.step))
     pic.start_ms, pic.end_ms, pic.events = first or 0, last, t.events
-    pic.lanes = [_lane(t, e, last) for e in sorted(t.engines)]
+    # an engine id seen only in weight events (a superseded update names none) is no engine's lane
+    pic.lanes = [_lane(t, e, last) for e in sorted(t.engines) if t.engines[e].history]
     for name, view in sorted(t.policies.items()):
         pic.published[name] = list(view.published_history)
         pic.serving[name] = list(view.serving_history)

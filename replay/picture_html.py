@@ -22,7 +22,7 @@ STATE_COLOURS = {
     "launching": "#9ecae1", "pending_weights": "#c6dbef", "serving": "#31a354", "unhealthy": "#e6550d",
     "restarting": "#fd8d3c", "offloaded": "#bcbddc", "stopped": "#bdbdbd", "unknown": "#f0f0f0",
 }
-STALENESS_COLOURS = ["#1a9850", "#fdae61", "#f46d43", "#d73027"]
+STALENESS_COLOURS = ["#1a9850", "#f0a30a", "#d7301f", "#67000d"]
 """0, 1, 2 and 3 or more versions behind."""
 UNKNOWN_COLOUR = "#969696"
 MARK_COLOUR = "#cb181d"
@@ -72,8 +72,8 @@ class _Canvas:
 
 def _axis(c: _Canvas) -> None:
     seconds = c.span_ms / 1000
-    step = 10 ** math.floor(math.log10(max(seconds, 1e-3)))
-    for nice in (1, 2, 5, 10):
+    step = 10 ** math.floor(math.log10(max(seconds, 1e-3))) / 10
+    for nice in (1, 2, 5, 10):  # the finest of these steps that gives at most 12 ticks
         if seconds / (step * nice) <= 12:
             step *= nice
             break
@@ -183,8 +183,7 @@ def render_html(pic: Picture, *, title: str = "rollout-bus timeline") -> str:
     _legend(c)
     height = c.y + 10
     data = json.dumps(pic.to_dict(), sort_keys=True).replace("<", "\\u003c")  # no markup in the data block
-    summary = (f"{pic.events} events over {(pic.end_ms - pic.start_ms) / 1000:.3g}s: {len(pic.lanes)} engines, "
-               f"{len(pic.batches)} batches, {len(pic.restarts)} restarts, {len(pic.dead_letters)} dead letters")
+    summary = f"{pic.events} events over {(pic.end_ms - pic.start_ms) / 1000:.3g}s: {pic.counts()}"
     svg = "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + PLOT_W + 20}" height="{height}" '
         f'viewBox="0 0 {LEFT + PLOT_W + 20} {height}" role="img" aria-label="{escape(title)}">',

@@ -96,8 +96,7 @@ def write_png(pic: Picture, path: str | Path, *, title: str = "rollout-bus timel
     ax.set_xlim(0, max(sec(pic.end_ms), 1e-3) * 1.01)
     ax.set_xlabel("seconds since the first event")
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title(f"{title}: {len(pic.batches)} batches, {len(pic.restarts)} restarts, "
-                 f"{len(pic.dead_letters)} dead letters", fontsize=10)
+    ax.set_title(f"{title}: {pic.counts()}", fontsize=10)
     handles: list[Any] = [Patch(color=c, label=s) for s, c in STATE_COLOURS.items() if s != "unknown"]
     handles += [Line2D([], [], marker="o", linestyle="", color=c, label=f"staleness {k}{'+' if k == len(STALENESS_COLOURS) - 1 else ''}")
                 for k, c in enumerate(STALENESS_COLOURS)]
