@@ -137,7 +137,12 @@ class JsonlLogger:
         self.location = directory / f"{run}.jsonl"
         self.run, self.policy = run, policy
         self.location.parent.mkdir(parents=True, exist_ok=True)
+        self.last_step = last_logged_step(self.location)
+        """The last step the file holds (0: none), so a restarted trainer knows what it logged."""
+        cut = _ends_mid_line(self.location)
         self._file = self.location.open("a", encoding="utf-8")
+        if cut:
+            self._file.write("\n")  # a line cut by a crash stays on its own
 
     def log(self, record: StepRecord) -> None:
         self._file.write(json.dumps(record.to_json(self.run, self.policy), allow_nan=False) + "\n")
@@ -207,6 +212,29 @@ class WandbLogger:
         self._run.finish()
 
 
+def _ends_mid_line(path: Path) -> bool:
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
+def last_logged_step(path: Path, tail_bytes: int = 1 << 16) -> int:
+    """The step of the last complete line of a JSONL metric log (0 when there is none)."""
+    if not path.exists():
+        return 0
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, 2) - tail_bytes))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
 def wandb_run_id(run: str) -> str:
     """The W&B run id of ``run`` (W&B ids take letters, digits, '-' and '_')."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", run)
@@ -254,6 +282,8 @@ class StepLogger:
     def __init__(self, config: TrainerConfig) -> None:
         self.loggers = open_loggers(config)
         self._since = time.monotonic()
+        self.last_step = max((lg.last_step for lg in self.loggers if isinstance(lg, JsonlLogger)), default=0)
+        """The last step logged before this process (from the JSONL file)."""
         for logger in self.loggers:
             log.info("metrics of %s: %s -> %s", config.run_name, logger.backend, logger.location)
 
@@ -261,12 +291,15 @@ class StepLogger:
     def outputs(self) -> dict[str, str]:
         return {logger.backend: str(logger.location) for logger in self.loggers}
 
-    def step(self, step: int, weight_version: int, metrics: dict[str, float]) -> StepRecord:
+    def step(self, step: int, weight_version: int, metrics: dict[str, float],
+             interval_s: float | None = None) -> StepRecord:
+        """Log one step; its duration is the time since the last one unless ``interval_s`` says it."""
         now = time.monotonic()
-        record = step_record(step, weight_version, metrics, now - self._since)
+        record = step_record(step, weight_version, metrics, now - self._since if interval_s is None else interval_s)
         self._since = now
         for logger in self.loggers:
             logger.log(record)
+        self.last_step = max(self.last_step, step)
         return record
 
     def close(self) -> None:

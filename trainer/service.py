@@ -21,6 +21,7 @@ republishes its version if the crash came before the announcement.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ class Trainer:
         self._ensure_served()
         if self.state.step > 0:  # a crash may have come between the checkpoint and the announcement
             self._announce_step()
+            self._log_recovered_step()
         m.VERSION.labels(*self._labels).set(self.state.version)
         log.info("trainer %s of %s at step %d, version %d (%s mode, %d in flight)", cfg.trainer_id, cfg.policy,
                  self.state.step, self.state.version, cfg.schedule.mode, len(self.state.in_flight))
@@ -366,6 +368,13 @@ class Trainer:
         self._announce_step(**timings)
         if self.step_log is not None:
             self.step_log.step(state.step, state.version, {**state.last_metrics, **timings})
+
+    def _log_recovered_step(self) -> None:
+        """Log the checkpointed step when the crash came before its metric line (publish timings unknown)."""
+        state = self._st()
+        if self.step_log is not None and self.step_log.last_step < state.step:
+            unknown = {"publish_ms": math.nan, "serving_wait_ms": math.nan}
+            self.step_log.step(state.step, state.version, {**unknown, **state.last_metrics}, interval_s=math.nan)
 
     def _announce_step(self, **extra: float) -> None:
         """``TrainStepDone`` of the current step (once: a restart repeats it under the same key)."""

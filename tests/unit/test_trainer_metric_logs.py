@@ -7,6 +7,7 @@ reader (``tests.support.metric_logs``).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from rollout_bus.events.names import Keys
 from rollout_bus.events.schema import STALENESS_PREFIX
 from rollout_bus.lm.model import ModelConfig, build_model, save_weights
+from rollout_bus.trainer.checkpoint import TrainerState
 from rollout_bus.trainer.config import (
     ConfigError,
     LogConfig,
@@ -132,12 +134,35 @@ def test_the_wandb_offline_run_directory_holds_every_metric_of_every_step(
         assert sum(row[STALENESS_HISTOGRAM]["values"]) == sum(line["staleness_hist"].values())
 
 
-def test_a_restarted_trainer_appends_its_steps_to_the_same_logs(tmp_path: Path, model_path: str, keys: Keys) -> None:
+def test_a_restarted_trainer_appends_to_the_same_logs_and_logs_the_step_a_crash_cut_off(
+        tmp_path: Path, model_path: str, keys: Keys) -> None:
     client = fakeredis.FakeRedis()
+    cfg = config(tmp_path, model_path, keys, "tensorboard")
+    jsonl = tmp_path / "metrics" / "exp-p0.jsonl"
+
+    def crash(state: TrainerState) -> None:
+        if state.step == 2:
+            raise RuntimeError("crashed after the checkpoint of step 2, before it was published and logged")
+
     with FakeRollouts(client, keys, policies=("p0",)):
-        train(client, config(tmp_path, model_path, keys, "tensorboard", steps=2), keys)
-        outputs = train(client, config(tmp_path, model_path, keys, "tensorboard", steps=STEPS), keys)
-    assert [line["step"] for line in jsonl_steps(Path(outputs["jsonl"]))] == list(range(1, STEPS + 1))
+        first = Trainer(cfg, client, keys)
+        first.after_checkpoint.append(crash)
+        first.start()
+        with pytest.raises(RuntimeError, match="crashed after the checkpoint"):
+            first.run()
+        first.stop()
+        assert [line["step"] for line in jsonl_steps(jsonl)] == [1]  # the fault: step 2 is trained, not logged
+        with jsonl.open("a") as f:
+            f.write('{"run": "exp-p0", "step": 2, "metr')  # and the crash cut a line short
+        outputs = train(client, cfg, keys)
+    raw = jsonl.read_text().splitlines()
+    assert raw[1] == '{"run": "exp-p0", "step": 2, "metr'  # left on a line of its own
+    lines = [json.loads(line) for i, line in enumerate(raw) if i != 1]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    recovered = lines[1]["metrics"]
+    assert recovered["reward/mean"] is not None and recovered["time/update_s"] > 0  # from the checkpoint
+    assert recovered["time/weight_publish_s"] is None and recovered["throughput/samples_per_s"] is None  # unknown
+    assert all(v is not None for line in lines[2:] for v in line["metrics"].values())
     steps = [e.step for e in tensorboard_run(Path(outputs["tensorboard"])).Scalars("reward/mean")]
     assert steps == list(range(1, STEPS + 1))
 
