@@ -251,12 +251,19 @@ def _import_backend(backend: str, module: str) -> Any:
                           f"({exc})") from None
 
 
+def logged_config(config: TrainerConfig) -> dict[str, Any]:
+    """The trainer config as TensorBoard and W&B record it: without the Redis URL (it may hold a password)."""
+    settings = dataclasses.asdict(config)
+    settings.pop("redis_url", None)
+    return settings
+
+
 def open_loggers(config: TrainerConfig) -> list[MetricLogger]:
     """One logger per backend of ``config.log``; none when ``config.log.dir`` is empty."""
     if not config.log.dir:
         return []
     directory, run = Path(config.log.dir), config.run_name
-    settings = dataclasses.asdict(config)
+    settings = logged_config(config)
     loggers: list[MetricLogger] = []
     try:
         for backend in config.log.to:

@@ -71,11 +71,16 @@ def train(client: fakeredis.FakeRedis, cfg: TrainerConfig, keys: Keys) -> dict[s
         trainer.stop()
 
 
+SECRET = "s3cret-password"
+
+
 def run(tmp_path: Path, model_path: str, keys: Keys, log_to: str) -> dict[str, str]:
     client = fakeredis.FakeRedis()
+    cfg = config(tmp_path, model_path, keys, log_to)
+    cfg.redis_url = f"redis://trainer:{SECRET}@127.0.0.1:1/0"  # not used (fakeredis), never logged
     # even rollouts come back one version behind: the staleness histogram has two buckets
     with FakeRollouts(client, keys, policies=("p0",), version_of=lambda rid, v: max(0, v - rid % 2)):
-        return train(client, config(tmp_path, model_path, keys, log_to), keys)
+        return train(client, cfg, keys)
 
 
 def test_a_short_run_logs_every_metric_of_every_step_to_jsonl_and_tensorboard(
@@ -107,6 +112,9 @@ def test_a_short_run_logs_every_metric_of_every_step_to_jsonl_and_tensorboard(
         events = tb.Scalars(name)
         assert [e.step for e in events] == list(range(1, STEPS + 1)), name
         assert [e.value for e in events] == pytest.approx([line["metrics"][name] for line in lines]), name
+    (text,) = tb.Tensors("config/text_summary")
+    config_text = text.tensor_proto.string_val[0].decode()
+    assert '"policy": "p0"' in config_text and SECRET not in config_text
     histograms = tb.Histograms(STALENESS_HISTOGRAM)
     assert [h.step for h in histograms] == list(range(1, STEPS + 1))
     for h, line in zip(histograms, lines, strict=True):
@@ -125,6 +133,7 @@ def test_the_wandb_offline_run_directory_holds_every_metric_of_every_step(
     assert output_paths(tmp_path / "metrics", "exp-p0", ["wandb"])["wandb"] == run_dir
     info, rows = wandb_history(run_dir)
     assert (info["name"], info["project"], info["group"], info["id"]) == ("exp-p0", "rollout-bus", "exp", "exp-p0")
+    assert SECRET.encode() not in next(run_dir.glob("*.wandb")).read_bytes()  # the config went in without it
     lines = jsonl_steps(Path(outputs["jsonl"]))
     assert [row["_step"] for row in rows] == [line["step"] for line in lines] == list(range(1, STEPS + 1))
     for row, line in zip(rows, lines, strict=True):
