@@ -93,11 +93,14 @@ class StepRecord:
                 "staleness_hist": {str(k): n for k, n in sorted(self.staleness.items())}}
 
 
+NEEDED_METRICS: tuple[str, ...] = (*_FROM_METRICS.values(), *(k for ks in _MS_FROM_METRICS.values() for k in ks))
+"""The keys of the trainer's metrics dict a ``StepRecord`` is made of."""
+
+
 def step_record(step: int, weight_version: int, metrics: dict[str, float], interval_s: float,
                 time_s: float | None = None) -> StepRecord:
     """The ``StepRecord`` of a trainer step from its metrics dict (``Trainer``'s keys) and its duration."""
-    missing = [key for key in (*_FROM_METRICS.values(), *(k for ks in _MS_FROM_METRICS.values() for k in ks))
-               if key not in metrics]
+    missing = [key for key in NEEDED_METRICS if key not in metrics]
     if missing:
         raise KeyError(f"step {step}: the trainer's metrics lack {missing}")
     scalars = {name: float(metrics[key]) for name, key in _FROM_METRICS.items()}
@@ -299,8 +302,10 @@ class StepLogger:
         return {logger.backend: str(logger.location) for logger in self.loggers}
 
     def step(self, step: int, weight_version: int, metrics: dict[str, float],
-             interval_s: float | None = None) -> StepRecord:
+             interval_s: float | None = None) -> StepRecord | None:
         """Log one step; its duration is the time since the last one unless ``interval_s`` says it."""
+        if not self.loggers:
+            return None
         now = time.monotonic()
         record = step_record(step, weight_version, metrics, now - self._since if interval_s is None else interval_s)
         self._since = now

@@ -39,7 +39,7 @@ from rollout_bus.trainer.checkpoint import CheckpointStore, TrainerState
 from rollout_bus.trainer.client import ClientConfig, ReceivedBatch, RolloutClient
 from rollout_bus.trainer.config import ConfigError, TrainerConfig
 from rollout_bus.trainer.learner import Learner
-from rollout_bus.trainer.metric_loggers import StepLogger
+from rollout_bus.trainer.metric_loggers import NEEDED_METRICS, StepLogger
 from rollout_bus.trainer.requeue import stale_items
 from rollout_bus.trainer.staleness import split_stale
 from rollout_bus.trainer.weights import WeightPublisher
@@ -370,10 +370,14 @@ class Trainer:
             self.step_log.step(state.step, state.version, {**state.last_metrics, **timings})
 
     def _log_recovered_step(self) -> None:
-        """Log the checkpointed step when the crash came before its metric line (publish timings unknown)."""
+        """Log the checkpointed step when the crash came before its metric line.
+
+        Its publish timings and throughput are unknown (NaN), as is any metric an older
+        checkpoint did not record.
+        """
         state = self._st()
         if self.step_log is not None and self.step_log.last_step < state.step:
-            unknown = {"publish_ms": math.nan, "serving_wait_ms": math.nan}
+            unknown = dict.fromkeys(NEEDED_METRICS, math.nan)
             self.step_log.step(state.step, state.version, {**unknown, **state.last_metrics}, interval_s=math.nan)
 
     def _announce_step(self, **extra: float) -> None:

@@ -151,6 +151,9 @@ def test_a_restarted_trainer_appends_to_the_same_logs_and_logs_the_step_a_crash_
 
     def crash(state: TrainerState) -> None:
         if state.step == 2:
+            del state.last_metrics["entropy"]  # as a checkpoint written before the entropy was measured
+            assert first.store is not None and first.model is not None and first.learner is not None
+            first.store.save(state, first.model, first.learner.optimizer)
             raise RuntimeError("crashed after the checkpoint of step 2, before it was published and logged")
 
     with FakeRollouts(client, keys, policies=("p0",)):
@@ -171,6 +174,7 @@ def test_a_restarted_trainer_appends_to_the_same_logs_and_logs_the_step_a_crash_
     recovered = lines[1]["metrics"]
     assert recovered["reward/mean"] is not None and recovered["time/update_s"] > 0  # from the checkpoint
     assert recovered["time/weight_publish_s"] is None and recovered["throughput/samples_per_s"] is None  # unknown
+    assert recovered["policy/entropy"] is None  # not in that checkpoint
     assert all(v is not None for line in lines[2:] for v in line["metrics"].values())
     steps = [e.step for e in tensorboard_run(Path(outputs["tensorboard"])).Scalars("reward/mean")]
     assert steps == list(range(1, STEPS + 1))
@@ -181,6 +185,7 @@ def test_without_a_log_directory_nothing_is_written(tmp_path: Path, model_path: 
     cfg.log.dir = ""
     logger = StepLogger(cfg)
     assert logger.loggers == [] and logger.outputs == {}
+    assert logger.step(1, 1, {}) is None  # nothing to write, nothing asked of the metrics
     assert not (tmp_path / "metrics").exists()
 
 
