@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def _wandb_records(path: Path) -> list[bytes]:
             pos += left_in_block
             continue
         length, kind = struct.unpack_from("<HB", data, pos + 4)
-        if kind == 0 and length == 0:  # zero padding at the end of the file
+        if (kind == 0 and length == 0) or pos + 7 + length > len(data):  # padding, or a chunk still being written
             break
         chunk = data[pos + 7:pos + 7 + length]
         pos += 7 + length
@@ -60,16 +61,28 @@ def _wandb_records(path: Path) -> list[bytes]:
     return records
 
 
-def wandb_history(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The run's (name, project, group) and its history rows (key -> value, ``_step`` included)."""
+def wandb_history(run_dir: Path, timeout_s: float = 10.0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The run's (name, project, group, id) and its history rows (key -> value, ``_step`` included).
+
+    wandb's service process writes the file; this waits (up to ``timeout_s``) for its
+    closing ``exit`` record.
+    """
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = run_dir.glob("*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = []
+        for raw in _wandb_records(path):
+            record = pb.Record()
+            record.ParseFromString(raw)
+            records.append(record)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     run: dict[str, Any] = {}
     rows = []
-    for raw in _wandb_records(path):
-        record = pb.Record()
-        record.ParseFromString(raw)
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = {"name": record.run.display_name, "project": record.run.project, "group": record.run.run_group,
