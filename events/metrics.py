@@ -206,4 +206,9 @@ def families(snap: BusSnapshot) -> Iterator[Metric]:
     for pol in snap.policies.values():
         versions.add_metric([ns, pol.policy, "published"], pol.published)
         versions.add_metric([ns, pol.policy, "serving"], pol.serving)
-    yield from (length, lag, pending, consumers, dead, jobs, engines, versions)
+    engine_versions = _gauge("engine_weight_version", "Weight version an engine has of a policy (registry)",
+                             ["engine", "policy"])
+    for rec in snap.engines.values():
+        for policy, version in sorted(rec.versions.items()):
+            engine_versions.add_metric([ns, rec.engine_id, policy], version)
+    yield from (length, lag, pending, consumers, dead, jobs, engines, versions, engine_versions)

@@ -10,7 +10,9 @@ executors and one trainer per policy, each as a process (``python -m rollout_bus
 follows the trainers' events with a progress bar, prints a summary (reward before and
 after, steps/s and samples/s, staleness histogram), writes ``<out>/reward.png`` and
 ``<out>/summary.json``, and stops everything it started, by pid, on exit, on error and on
-Ctrl-C. With ``--metrics-base-port N`` every process serves Prometheus ``/metrics``: the
+Ctrl-C. ``--log-to tensorboard,wandb`` passes through to the trainers, whose metric logs go
+under ``<out>/metrics`` (run ``<namespace>-<policy>``); the summary lists them. With
+``--metrics-base-port N`` every process serves Prometheus ``/metrics``: the
 controller on N, executor i on N+1+i, then the trainers, then a bus exporter
 (``rollout-bus status --serve-metrics``: consumer lag, pending, dead letters, rq queues);
 the URLs are printed at the start.
@@ -25,7 +27,8 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from rollout_bus.launch.config import MODES, STALE_POLICIES, RunConfig, RunFailed
+from rollout_bus.launch.config import LOG_BACKENDS, MODES, STALE_POLICIES, RunConfig, RunFailed
+from rollout_bus.trainer.config import LogConfig, log_problems, parse_log_to
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--metrics-base-port", type=int, default=d.metrics_base_port, metavar="PORT",
                    help="serve /metrics: controller on PORT, executors on PORT+1.., then trainers, then the bus "
                         "exporter (default 0: off)")
+    x.add_argument("--log-to", default=d.log_to, metavar="BACKENDS",
+                   help=f"the trainers' metric logs, comma-separated, of {','.join(LOG_BACKENDS)} (jsonl always), "
+                        "under <out>/metrics; the summary says where each went")
     x.add_argument("--timeout-s", type=float, default=d.timeout_s)
     x.add_argument("--no-progress", dest="progress", action="store_false")
     x.add_argument("--no-plot", dest="plot", action="store_false")
@@ -78,6 +84,7 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     n_ports = config.executors + config.trainers + 2
     if config.metrics_base_port < 0 or (config.metrics_base_port and config.metrics_base_port + n_ports > 65536):
         problems.append(f"--metrics-base-port must be 0 (off) or leave room for {n_ports} ports below 65536")
+    problems += log_problems(LogConfig(to=parse_log_to(config.log_to)))
     if problems:
         raise SystemExit("; ".join(problems))
     return config
@@ -104,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted: everything this run started is stopped", file=sys.stderr)
         return 130
     print(result.text)
-    print(f"outputs in {result.out} (summary.json{', reward.png' if config.plot else ''}, logs/)")
+    print(f"outputs in {result.out} (summary.json{', reward.png' if config.plot else ''}, metrics/, logs/)")
     return 0
 
 

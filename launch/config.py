@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_bus.trainer.config import MODES, STALE_POLICIES
+from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES
 
-__all__ = ["MODES", "STALE_POLICIES", "RunConfig", "RunFailed", "RunResult", "metrics_ports"]
+__all__ = ["LOG_BACKENDS", "MODES", "STALE_POLICIES", "RunConfig", "RunFailed", "RunResult", "metrics_ports"]
 
 
 @dataclass
@@ -46,6 +46,8 @@ class RunConfig:
     """Also run a recorder of the first policy's batches into ``<out>/recording``."""
     metrics_base_port: int = 0
     """First ``/metrics`` port (see ``metrics_ports``); 0: no process serves metrics."""
+    log_to: str = "jsonl"
+    """The trainers' metric logs (``--log-to`` of ``rollout-bus trainer``), under ``<out>/metrics``."""
     trainer_args: list[str] = field(default_factory=list)
     timeout_s: float = 900.0
     progress: bool = True

@@ -33,13 +33,15 @@ def run_job(config: RunConfig) -> RunResult:
     from rollout_bus.events.embedded import private_redis
     from rollout_bus.events.names import Keys
     from rollout_bus.launch.procs import ProcessSet
-    from rollout_bus.launch.report import format_summary, plot_rewards
+    from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards
     from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
+    from rollout_bus.trainer.config import parse_log_to
+    from rollout_bus.trainer.metric_loggers import output_paths
 
     started = time.monotonic()
     out = Path(config.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("checkpoints", "weights", "logs", "recording"):  # a run starts afresh in its directory
+    for stale in ("checkpoints", "weights", "logs", "recording", "metrics"):  # a run starts afresh in its directory
         shutil.rmtree(out / stale, ignore_errors=True)
     namespace = config.namespace or f"run-{uuid.uuid4().hex[:8]}"
     keys = Keys(namespace)
@@ -84,7 +86,7 @@ def run_job(config: RunConfig) -> RunResult:
             _wait_group(client, keys, policies[0], "recorder", recorder)
         # trainers wait for their policy to be served before they ask for rollouts: no need to wait here
         trainers = [procs.start(f"trainer-{p}", [*_trainer_args(config, p, url, namespace, init, weights_root,
-                                                                out / "checkpoints" / p),
+                                                                out / "checkpoints" / p, out / "metrics"),
                                                  *_metrics_args(ports, f"trainer-{p}")])
                     for p in policies]
         runlog = _follow(config, client, keys, procs, trainers, started)
@@ -92,9 +94,12 @@ def run_job(config: RunConfig) -> RunResult:
             time.sleep(1.0)  # let the recorder catch up with the last batches
         wall_s = time.monotonic() - started
         summaries = [runlog.policy(p) for p in policies]
-        text = format_summary(summaries, mode=config.mode, wall_s=wall_s)
+        outputs = {p: output_paths(out / "metrics", f"{namespace}-{p}", parse_log_to(config.log_to))
+                   for p in policies}
+        text = format_summary(summaries, mode=config.mode, wall_s=wall_s) + "\n" + format_outputs(outputs)
         result = {"config": asdict(config), "namespace": namespace, "wall_s": wall_s,
-                  "policies": {s.policy: s.to_dict() for s in summaries}}
+                  "policies": {s.policy: s.to_dict() for s in summaries},
+                  "metric_logs": {p: {k: str(v) for k, v in o.items()} for p, o in outputs.items()}}
         (out / "summary.json").write_text(json.dumps(_finite(result), indent=2, default=str) + "\n")
         if config.plot:
             plot_rewards(summaries, out / "reward.png",
@@ -109,7 +114,7 @@ def run_job(config: RunConfig) -> RunResult:
 
 
 def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init: Path, weights_root: Path,
-                  checkpoint_dir: Path) -> list[str]:
+                  checkpoint_dir: Path, log_dir: Path) -> list[str]:
     return [*ROLE, "trainer", "train", "--redis-url", url, "--namespace", namespace, "--policy", policy,
             "--trainer-id", f"trainer-{policy}", "--mode", config.mode, "--steps", str(config.steps),
             "--seed", str(config.seed), "--model-path", str(init), "--weights-root", str(weights_root),
@@ -117,7 +122,8 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--n-samples", str(config.n_samples), "--max-new-tokens", str(config.max_new_tokens),
             "--in-flight", str(config.in_flight), "--max-staleness", str(config.max_staleness),
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
-            "--minibatches", str(config.minibatches), *config.trainer_args]
+            "--minibatches", str(config.minibatches), "--log-to", config.log_to, "--log-dir", str(log_dir),
+            "--run-name", namespace, *config.trainer_args]
 
 
 def _metrics_args(ports: dict[str, int], name: str) -> list[str]:

@@ -146,6 +146,20 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
     return "\n".join(lines)
 
 
+def format_outputs(outputs: dict[str, dict[str, Path]]) -> str:
+    """Where each policy's metric logs went (``trainer.metric_loggers.output_paths``), with how to open them."""
+    lines = ["metric logs"]
+    for policy, paths in outputs.items():
+        for backend, path in paths.items():
+            hint = ""
+            if backend == "tensorboard":
+                hint = f"  (tensorboard --logdir {path.parent})"
+            elif backend == "wandb" and path.name.startswith("offline-run-"):
+                hint = f"  (wandb sync {path})"
+            lines.append(f"  {policy:<8} {backend:<12} {path}{hint}")
+    return "\n".join(lines)
+
+
 def plot_rewards(policies: Iterable[PolicySummary], path: str | Path, *, title: str = "") -> Path:
     """A PNG of each policy's reward per step (matplotlib, Agg backend)."""
     import matplotlib

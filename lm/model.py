@@ -214,6 +214,24 @@ def token_logprobs(
     return picked
 
 
+def token_logprobs_and_entropy(
+    model: TinyLM, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``token_logprobs`` (temperature 1) and the entropy of the next-token distribution it picks from.
+
+    Both are ``[batch, seq - 1]`` from one forward pass: column ``t`` is about token ``t + 1``,
+    and entries whose target is padding are 0. Gradients flow through both.
+    """
+    logits = model(input_ids, attention_mask)[:, :-1]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    if attention_mask is not None:
+        keep = attention_mask[:, 1:].to(picked.dtype)
+        picked, entropy = picked * keep, entropy * keep
+    return picked, entropy
+
+
 @torch.no_grad()
 def generate(
     model: TinyLM,

@@ -3,6 +3,7 @@
     rollout-bus replay export run.rblog [--stream weights --stream batches/p0] [--since-ms MS] [--until-ms MS]
     rollout-bus replay import run.rblog --namespace copy [--restore-groups]
     rollout-bus replay timeline run.rblog [--at-ms MS] [--json]      # or --live instead of a file
+    rollout-bus replay timeline run.rblog --html run.html --png run.png   # one picture of the run
     rollout-bus replay verify run.rblog [--base-version 0 | --strict] [--json]
     rollout-bus replay feed run.rblog [--policy p0] [--limit N]
     rollout-bus replay hold --policy p0 [--release]   # before a run: keep its batch payloads for export
@@ -83,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     tl.add_argument("--at-ms", type=int, help="state as of this entry-id time (default: end of log)")
     tl.add_argument("--batches", type=int, default=20, metavar="N", help="show the newest N batches (0: all)")
     tl.add_argument("--json", action="store_true")
+    tl.add_argument("--html", metavar="FILE", help="write one picture of the run over time as a self-contained page: "
+                                                   "engine lanes, versions, batches by staleness, restarts, dead letters")
+    tl.add_argument("--png", metavar="FILE", help="the same picture as a PNG")
 
     ve = sub.add_parser("verify", help="check a log's invariants; exit 1 on any violation")
     _source_args(ve)
@@ -129,9 +133,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _events(args: argparse.Namespace) -> Iterator[Any]:
+def _entries(args: argparse.Namespace) -> Iterator[Any]:
+    """The raw entries of the log file, or of the live namespace (``--live``), in log order."""
     from rollout_bus.replay.exporter import read_live
-    from rollout_bus.replay.logfile import LogReader, decode_entries
+    from rollout_bus.replay.logfile import LogReader
 
     if args.live:
         from rollout_bus.events.connection import connect
@@ -139,12 +144,18 @@ def _events(args: argparse.Namespace) -> Iterator[Any]:
 
         client = connect(args.redis_url)
         try:
-            yield from decode_entries(read_live(client, Keys(args.namespace)))
+            yield from read_live(client, Keys(args.namespace))
         finally:
             client.close()
         return
     with LogReader(args.log, allow_truncated=args.allow_truncated) as reader:
-        yield from reader.events()
+        yield from reader.entries()
+
+
+def _events(args: argparse.Namespace) -> Iterator[Any]:
+    from rollout_bus.replay.logfile import decode_entries
+
+    yield from decode_entries(_entries(args))
 
 
 def _check_source(args: argparse.Namespace) -> None:
@@ -203,8 +214,32 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     from rollout_bus.replay.timeline import render, timeline
 
     _check_source(args)
+    if args.html or args.png:
+        return _draw_timeline(args)
     t = timeline(_events(args), at_ms=args.at_ms)
     print(json.dumps(t.to_dict(), sort_keys=True) if args.json else render(t, max_batches=args.batches))
+    return 0
+
+
+def _draw_timeline(args: argparse.Namespace) -> int:
+    from rollout_bus.replay.picture import picture
+
+    if args.at_ms is not None:
+        raise SystemExit("--at-ms applies to the text timeline; a picture shows the whole log")
+    pic = picture(_entries(args))
+    title = f"rollout-bus timeline: namespace {args.namespace} (live)" if args.live else \
+        f"rollout-bus timeline: {os.path.basename(args.log)}"
+    written: dict[str, Any] = {}
+    if args.html:
+        from rollout_bus.replay.picture_html import write_html
+
+        written["html"] = str(write_html(pic, args.html, title=title))
+    if args.png:
+        from rollout_bus.replay.picture_png import write_png
+
+        written["png"] = str(write_png(pic, args.png, title=title))
+    print(json.dumps({**written, "events": pic.events, "engines": len(pic.lanes), "batches": len(pic.batches),
+                      "restarts": len(pic.restarts), "dead_letters": len(pic.dead_letters)}))
     return 0
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with its dev tools; install redis-server where missing.
+# Create .venv and install the project with its dev tools; install redis-server and prometheus
+# (the Grafana dashboard test runs a real one) where missing.
 #
 # torch 2.13.0 goes first (the CPU wheel): every later install runs under a constraints file
 # that pins it, so no dependency can pull another torch (or an unpinned torchvision's CUDA
@@ -10,12 +11,16 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 EXTRAS=${EXTRAS:-dev}
 
-if ! command -v redis-server >/dev/null 2>&1; then
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "redis-server missing: installing it with apt-get"
-    apt-get update -qq && apt-get install -y -qq redis-server
+    echo "${missing[*]} missing: installing with apt-get"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
   else
-    echo "warning: redis-server is not installed (apt-get install redis-server); runs fall back to fakeredis" >&2
+    echo "warning: not installed: ${missing[*]} (apt-get install ${missing[*]}); without redis-server runs fall" \
+         "back to fakeredis, without prometheus the dashboard test skips" >&2
   fi
 fi
 

@@ -13,6 +13,8 @@ the modules:
 - ``trainer.service.Trainer`` (config ``trainer.config.TrainerConfig``): the reference trainer,
   modes ``sync``, ``one-step`` and ``async``; ``trainer.learner`` / ``trainer.grpo``: its GRPO
   step with truncated importance sampling;
+- ``trainer.metric_loggers``: each step's metrics through one ``MetricLogger`` interface to
+  JSONL, TensorBoard and W&B (``StepLogger``, ``STEP_SCALARS``);
 - ``trainer.recorder.Recorder`` / ``read_recording``: a passive subscriber;
 - ``trainer.cli``: ``rollout-bus trainer`` and ``rollout-bus record``.
 

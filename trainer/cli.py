@@ -24,14 +24,17 @@ if TYPE_CHECKING:
 
 from rollout_bus.trainer.config import (  # light: dataclasses only
     DP_STRATEGIES,
+    LOG_BACKENDS,
     MODES,
     STALE_POLICIES,
+    LogConfig,
     LossSettings,
     OptimConfig,
     PublishConfig,
     RolloutConfig,
     ScheduleConfig,
     TrainerConfig,
+    parse_log_to,
 )
 
 COMMANDS = ("train", "record")
@@ -78,12 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--minibatches", type=int, default=1)
     t.add_argument("--tis-cap", type=float, default=2.0)
     t.add_argument("--ppo-clip", type=float, default=0.2, help="<= 0 turns the PPO clip off")
+    t.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus in the loss")
     t.add_argument("--dp-rank", type=int, default=0)
     t.add_argument("--dp-size", type=int, default=1)
     t.add_argument("--dp-strategy", choices=DP_STRATEGIES, default="shared-group")
     t.add_argument("--torch-threads", type=int, default=1)
     t.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on this port (0: any free one; default: off)")
+    lg = t.add_argument_group("metric logs (every step: reward, loss terms, entropy, TIS/clip fractions, "
+                              "throughput, staleness, waits and update/publish times)")
+    lg.add_argument("--log-to", default="jsonl", metavar="BACKENDS",
+                    help=f"comma-separated, of {','.join(LOG_BACKENDS)}; jsonl is always written "
+                         "(tensorboard and wandb are extras: pip install 'rollout-bus[tensorboard,wandb]')")
+    lg.add_argument("--log-dir", default="runs", help="<dir>/<run>.jsonl, <dir>/tensorboard/<run>/, <dir>/wandb/")
+    lg.add_argument("--run-name", default="", help="the run is <run-name>-<policy> (default: the namespace)")
+    lg.add_argument("--wandb-project", default="rollout-bus")
     r = sub.add_parser("record", help="a passive recorder of one policy's batches")
     _common(r)
     r.add_argument("--out", required=True, help="directory for <batch_id>.safetensors and index.jsonl")
@@ -120,7 +132,10 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
         publish=PublishConfig(weights_root=ns.weights_root, wait_serving=ns.wait_serving,
                               serving_timeout_s=ns.serving_timeout_s, keep_versions=ns.keep_versions),
         optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),
-        loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None),
+        loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None,
+                          entropy_coef=ns.entropy_coef),
+        log=LogConfig(to=parse_log_to(ns.log_to), dir=ns.log_dir, run_name=ns.run_name,
+                      wandb_project=ns.wandb_project),
     ).validate()
 
 
@@ -130,7 +145,12 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 
 def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None = None) -> int:
     """Run the reference trainer; ``setup`` sees it before it starts (to add hooks)."""
-    config = trainer_config(ns)
+    from rollout_bus.trainer.config import ConfigError
+
+    try:
+        config = trainer_config(ns)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
 
     from rollout_bus.events.connection import connect
     from rollout_bus.events.metrics import serve_metrics

@@ -7,6 +7,7 @@ reports every problem at once.
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -17,9 +18,13 @@ from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name
 Mode = Literal["sync", "one-step", "async"]
 StalePolicy = Literal["drop", "requeue"]
 DataParallel = Literal["shared-group", "shards"]
+LogBackend = Literal["jsonl", "tensorboard", "wandb"]
 MODES: tuple[str, ...] = get_args(Mode)
 STALE_POLICIES: tuple[str, ...] = get_args(StalePolicy)
 DP_STRATEGIES: tuple[str, ...] = get_args(DataParallel)
+LOG_BACKENDS: tuple[str, ...] = get_args(LogBackend)
+BACKEND_EXTRAS: dict[str, tuple[str, str]] = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+"""Backend -> (the module it needs, the extra of this package that installs it)."""
 
 
 class ConfigError(InvalidRequest):
@@ -83,6 +88,47 @@ class OptimConfig:
 class LossSettings:
     tis_cap: float = 2.0
     ppo_clip: float | None = 0.2
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the loss (0: the policy-gradient term alone)."""
+
+
+@dataclass
+class LogConfig:
+    """Where each step's training metrics go (``trainer.metric_loggers``)."""
+
+    to: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Backends, from ``LOG_BACKENDS``; jsonl is always among them."""
+    dir: str = ""
+    """Root of the metric logs; empty: none are written (``rollout-bus trainer`` defaults to ``runs``)."""
+    run_name: str = ""
+    """Name of the run; the policy is appended (``<run_name>-<policy>``). Empty: the namespace."""
+    wandb_project: str = "rollout-bus"
+
+
+def parse_log_to(spec: str) -> list[str]:
+    """``"tensorboard,wandb"`` -> ``["jsonl", "tensorboard", "wandb"]``: jsonl always, each backend once."""
+    chosen = ["jsonl"]
+    for name in (part.strip() for part in spec.split(",")):
+        if name and name not in chosen:
+            chosen.append(name)
+    return chosen
+
+
+def log_problems(log: LogConfig) -> list[str]:
+    """What is wrong with ``log``: unknown backends, and backends whose package is not installed."""
+    problems = []
+    for backend in log.to:
+        if backend not in LOG_BACKENDS:
+            problems.append(f"log backend {backend!r} is not one of {list(LOG_BACKENDS)}")
+        elif backend in BACKEND_EXTRAS and importlib.util.find_spec(BACKEND_EXTRAS[backend][0]) is None:
+            module, extra = BACKEND_EXTRAS[backend]
+            problems.append(f"--log-to {backend} needs the {module!r} package: pip install 'rollout-bus[{extra}]'")
+    if log.run_name:
+        try:
+            check_name("run name", log.run_name)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 @dataclass
@@ -112,6 +158,12 @@ class TrainerConfig:
     publish: PublishConfig = field(default_factory=PublishConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossSettings = field(default_factory=LossSettings)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def run_name(self) -> str:
+        """The name of this trainer's run in every metric log: ``<run name or namespace>-<policy>``."""
+        return f"{self.log.run_name or self.namespace}-{self.policy}"
 
     @property
     def group(self) -> str:
@@ -164,6 +216,7 @@ class TrainerConfig:
             problems.append(f"initial_version must be >= 0, got {self.initial_version}")
         if self.get_timeout_s <= 0 or r.timeout_s <= 0 or self.publish.serving_timeout_s <= 0:
             problems.append("timeouts must be > 0")
+        problems += log_problems(self.log)
         if problems:
             raise ConfigError("invalid trainer config:\n  - " + "\n  - ".join(problems))
         return self

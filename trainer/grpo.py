@@ -6,6 +6,10 @@ trainer's policy at the start of the step is ``old_logp``), times the policy-gra
 surrogate ``r * A`` with ``r = exp(logp - old_logp)``, optionally PPO-clipped. With one
 optimiser step per batch ``r`` is 1 with gradient ``grad logp``; with several
 mini-batches or epochs the PPO clip bounds how far the policy moves.
+
+Given the per-token entropy of the policy, the loss has a second term, the entropy bonus
+``-entropy_coef * mean(H)`` (0 with the default coefficient); ``metrics`` reports both
+terms, their sum, the mean entropy and the TIS and clip fractions.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class LossConfig:
     ppo_clip: float | None = 0.2
     """epsilon of the PPO clip; None for the plain surrogate."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (needs the per-token entropy); 0 leaves the loss the PG term alone."""
 
 
 @dataclass
@@ -31,11 +36,13 @@ class LossOutput:
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
-              advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> LossOutput:
+              advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig,
+              entropy: torch.Tensor | None = None) -> LossOutput:
     """Token-mean GRPO loss over the masked response tokens.
 
-    ``logp``, ``old_logp``, ``rollout_logp`` and ``mask`` are ``(B, T)``; ``advantages`` is
-    ``(B,)`` (one per sample, broadcast over its tokens).
+    ``logp``, ``old_logp``, ``rollout_logp``, ``mask`` and ``entropy`` (the policy's entropy
+    at each token, optional) are ``(B, T)``; ``advantages`` is ``(B,)`` (one per sample,
+    broadcast over its tokens).
     """
     mask = mask.to(logp.dtype)
     n_tokens = mask.sum().clamp(min=1.0)
@@ -51,15 +58,26 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Te
         clipped_frac = ((surr_clipped < surr).to(logp.dtype) * mask).sum() / n_tokens
         surr = torch.minimum(surr, surr_clipped)
     per_token = -(is_weight * surr)
-    loss = (per_token * mask).sum() / n_tokens
+    pg_loss = (per_token * mask).sum() / n_tokens
+    mean_entropy = (entropy * mask).sum() / n_tokens if entropy is not None else None
+    entropy_loss = torch.zeros((), dtype=logp.dtype)
+    if config.entropy_coef:
+        if mean_entropy is None:
+            raise ValueError("entropy_coef is set: grpo_loss needs the per-token entropy")
+        entropy_loss = -config.entropy_coef * mean_entropy
+    loss = pg_loss + entropy_loss
     with torch.no_grad():
         raw_is = torch.exp(log_is)
         metrics = {
             "loss": float(loss.detach()),
+            "pg_loss": float(pg_loss.detach()),
+            "entropy_loss": float(entropy_loss.detach()),
             "is_weight_mean": float((raw_is * mask).sum() / n_tokens),
             "is_truncated_frac": float(((raw_is > config.tis_cap).to(logp.dtype) * mask).sum() / n_tokens)
             if config.tis_cap > 0 else 0.0,
             "ppo_clipped_frac": float(clipped_frac),
             "rollout_kl": float(((rollout_logp - old_logp).detach() * mask).sum() / n_tokens),
         }
+        if mean_entropy is not None:
+            metrics["entropy"] = float(mean_entropy.detach())
     return LossOutput(loss, metrics)

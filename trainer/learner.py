@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from rollout_bus.events.train_data import TrainData
-from rollout_bus.lm.model import TinyLM, token_logprobs
+from rollout_bus.lm.model import TinyLM, token_logprobs, token_logprobs_and_entropy
 from rollout_bus.lm.tokenizer import PAD_ID
 from rollout_bus.trainer.config import LossSettings, OptimConfig
 from rollout_bus.trainer.grpo import LossConfig, grpo_loss
@@ -63,12 +63,17 @@ class Learner:
     def __init__(self, model: TinyLM, optim: OptimConfig, loss: LossSettings) -> None:
         self.model = model
         self.optim_config = optim
-        self.loss_config = LossConfig(tis_cap=loss.tis_cap, ppo_clip=loss.ppo_clip)
+        self.loss_config = LossConfig(tis_cap=loss.tis_cap, ppo_clip=loss.ppo_clip, entropy_coef=loss.entropy_coef)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay)
 
     def train_step(self, data: TrainData) -> dict[str, float]:
-        """One GRPO update on ``data`` (``epochs`` x ``minibatches`` optimiser steps)."""
+        """One GRPO update on ``data`` (``epochs`` x ``minibatches`` optimiser steps).
+
+        The metrics are means over the optimiser steps of ``grpo_loss``'s (loss terms, policy
+        entropy on the response tokens, TIS and clip fractions), the last gradient norm, the
+        response tokens trained and the wall time.
+        """
         started = time.perf_counter()
         self.model.train()
         batch = to_padded(data)
@@ -86,10 +91,11 @@ class Learner:
             size = math.ceil(n / self.optim_config.minibatches)
             for start in range(0, n, size):
                 idx = order[start:start + size]
-                logp = token_logprobs(self.model, batch.input_ids[idx], batch.attention_mask[idx])
+                logp, entropy = token_logprobs_and_entropy(self.model, batch.input_ids[idx],
+                                                           batch.attention_mask[idx])
                 old = logp.detach() if old_logp is None else old_logp[idx]
                 out = grpo_loss(logp, old, batch.rollout_logp[idx], batch.advantages[idx],
-                                batch.loss_mask[idx], self.loss_config)
+                                batch.loss_mask[idx], self.loss_config, entropy=entropy)
                 self.optimizer.zero_grad(set_to_none=True)
                 out.loss.backward()
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),

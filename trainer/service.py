@@ -21,6 +21,7 @@ republishes its version if the crash came before the announcement.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from rollout_bus.trainer.checkpoint import CheckpointStore, TrainerState
 from rollout_bus.trainer.client import ClientConfig, ReceivedBatch, RolloutClient
 from rollout_bus.trainer.config import ConfigError, TrainerConfig
 from rollout_bus.trainer.learner import Learner
+from rollout_bus.trainer.metric_loggers import NEEDED_METRICS, StepLogger
 from rollout_bus.trainer.requeue import stale_items
 from rollout_bus.trainer.staleness import split_stale
 from rollout_bus.trainer.weights import WeightPublisher
@@ -75,6 +77,8 @@ class Trainer:
         self.state: TrainerState | None = None
         self.client: RolloutClient | None = None
         self.weights: WeightPublisher | None = None
+        self.step_log: StepLogger | None = None
+        """Each step's metrics to the backends of ``config.log`` (after the step's version is published)."""
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
         self.publisher = Publisher(client, self.keys, self.producer)
         self._timers = _Timers()
@@ -107,11 +111,13 @@ class Trainer:
             rollout=cfg.rollout), self.producer)
         self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
                                        self.producer, keep_versions=cfg.publish.keep_versions)
+        self.step_log = StepLogger(cfg)
         self.client.start()
         self.weights.adopt(self.state.version)
         self._ensure_served()
         if self.state.step > 0:  # a crash may have come between the checkpoint and the announcement
             self._announce_step()
+            self._log_recovered_step()
         m.VERSION.labels(*self._labels).set(self.state.version)
         log.info("trainer %s of %s at step %d, version %d (%s mode, %d in flight)", cfg.trainer_id, cfg.policy,
                  self.state.step, self.state.version, cfg.schedule.mode, len(self.state.in_flight))
@@ -120,6 +126,8 @@ class Trainer:
     def stop(self) -> None:
         if self.client is not None:
             self.client.stop()
+        if self.step_log is not None:
+            self.step_log.close()
 
     def _ensure_served(self) -> None:
         """Publish the current version if the controller never got it; wait until it is served."""
@@ -316,7 +324,7 @@ class Trainer:
         state.rewards.append(reward)
         t1 = time.perf_counter()
         metrics.update(
-            reward_mean=reward, reward_batch_mean=float(batch.data.raw_reward.mean()) if batch.data else reward,
+            reward_mean=reward, reward_std=float(data.raw_reward.float().std(correction=0)), reward_batch_mean=float(batch.data.raw_reward.mean()) if batch.data else reward,
             n_samples=float(len(data)), n_samples_batch=float(batch.event.n_samples),
             staleness_max=float(trained_staleness.max()), staleness_mean=float(trained_staleness.float().mean()),
             batch_staleness=float(batch_staleness), batch_staleness_all_max=float(staleness_all.max()),
@@ -328,6 +336,7 @@ class Trainer:
         state.last_metrics = metrics
         assert self.weights is not None and self.model is not None
         self.weights.save(self.model, state.version)
+        metrics["weights_save_ms"] = (time.perf_counter() - t1) * 1000
         if self.store is not None:
             self.store.save(state, self.model, learner.optimizer)
         metrics["save_ms"] = (time.perf_counter() - t1) * 1000
@@ -355,7 +364,21 @@ class Trainer:
             waited = self.weights.wait_serving(state.version, cfg.publish.serving_timeout_s,
                                                after_id=published.entry_id)
             m.STEP_SECONDS.labels(*self._labels, "wait_serving").observe(waited)
-        self._announce_step(publish_ms=(t1 - t0) * 1000, serving_wait_ms=waited * 1000)
+        timings = {"publish_ms": (t1 - t0) * 1000, "serving_wait_ms": waited * 1000}
+        self._announce_step(**timings)
+        if self.step_log is not None:
+            self.step_log.step(state.step, state.version, {**state.last_metrics, **timings})
+
+    def _log_recovered_step(self) -> None:
+        """Log the checkpointed step when the crash came before its metric line.
+
+        Its publish timings and throughput are unknown (NaN), as is any metric an older
+        checkpoint did not record.
+        """
+        state = self._st()
+        if self.step_log is not None and self.step_log.last_step < state.step:
+            unknown = dict.fromkeys(NEEDED_METRICS, math.nan)
+            self.step_log.step(state.step, state.version, {**unknown, **state.last_metrics}, interval_s=math.nan)
 
     def _announce_step(self, **extra: float) -> None:
         """``TrainStepDone`` of the current step (once: a restart repeats it under the same key)."""

@@ -34,6 +34,7 @@ from rollout_bus.replay.exporter import hold_payloads, read_live, release_payloa
 from rollout_bus.replay.feed import feed_batches, trained_batch_ids
 from rollout_bus.replay.logfile import LogReader, decode_entries
 from rollout_bus.replay.offline import BATCH_IDS_FILE, RESULT_FILE, OfflineConfig, run_offline, weights_sha256
+from rollout_bus.replay.picture import picture
 from rollout_bus.replay.timeline import timeline
 from rollout_bus.replay.verify import verify, verify_log
 from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
@@ -148,6 +149,10 @@ def test_a_live_run_exports_imports_replays_and_retrains_to_the_same_numbers(
         assert verify_log(path) == []
         with LogReader(path) as reader:
             assert plain(timeline(reader.events()).to_dict()) == live
+        with LogReader(path) as reader:  # the timeline picture too: same data live and exported
+            drawn = picture(read_live(client, keys)).to_dict()
+            assert picture(reader.entries()).to_dict() == drawn
+        assert len(drawn["batches"]) == STEPS and [lane["engine_id"] for lane in drawn["lanes"]] == ["engine-0"]
     finally:
         released = release_payloads(client, keys, [POLICY])
         client.close()

@@ -3,6 +3,7 @@ no batch is lost and none is trained twice, checked by batch id."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -47,7 +48,7 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_a_batch(tmp_path: 
     trainer_args = ["train", "--redis-url", url, "--namespace", ns, "--policy", "p0",
                     "--trainer-id", "trainer-p0", "--mode", "async", "--in-flight", "2", "--steps", str(STEPS),
                     "--model-path", str(init), "--weights-root", str(weights), "--checkpoint-dir", str(ckpt),
-                    "--n-groups", "8", "--n-samples", "4"]
+                    "--n-groups", "8", "--n-samples", "4", "--log-dir", str(tmp_path / "metrics")]
 
     def steps_done() -> int:
         done = [decode(f) for _, f in page(client, keys.trainer_stream)]
@@ -95,4 +96,9 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_a_batch(tmp_path: 
     assert produced - in_flight - set(final.state.dropped) == set(ids)  # no batch lost
     pending = client.xpending(stream, "trainer-p0")["pending"]
     assert pending <= len(in_flight)  # nothing held but what was still in flight at the end
+    logged = []
+    for line in (tmp_path / "metrics" / f"{ns}-p0.jsonl").read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a SIGKILL may cut a line short
+            logged.append(json.loads(line)["step"])
+    assert logged == list(range(1, STEPS + 1))  # the metric log has every step once, crashes or not
     client.close()

@@ -19,6 +19,7 @@ from rollout_bus.lm.model import (
     pad_batch,
     save_weights,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 from rollout_bus.lm.tokenizer import VOCAB_SIZE, encode
 
@@ -100,6 +101,19 @@ def test_token_logprobs_are_log_softmax_of_the_next_token(model: TinyLM) -> None
     logps.sum().backward()
     assert model.head.weight.grad is not None
     model.zero_grad()
+
+
+def test_the_entropy_beside_the_log_probs_is_that_of_the_full_next_token_distribution(model: TinyLM) -> None:
+    ids, mask = pad_batch(PROMPTS, side="right")
+    with torch.no_grad():
+        logps, entropy = token_logprobs_and_entropy(model, ids, mask)
+        assert torch.equal(logps, token_logprobs(model, ids, mask))  # bit for bit: training numbers are unchanged
+        seq = PROMPTS[2]
+        probs = torch.softmax(model(torch.tensor([seq]))[0, :-1], -1)
+        expected = -(probs * probs.log()).sum(-1)
+    torch.testing.assert_close(entropy[2, : len(seq) - 1], expected, atol=1e-5, rtol=1e-5)
+    assert (entropy[0, len(PROMPTS[0]) - 1 :] == 0).all()
+    assert float(entropy.max()) <= float(torch.log(torch.tensor(float(VOCAB_SIZE)))) + 1e-5
 
 
 def test_build_model_is_deterministic_per_seed() -> None:

@@ -87,6 +87,8 @@ def test_the_collector_exports_lag_pending_lengths_and_dead_letters(fake_client:
     assert f'rollout_bus_dead_letters{{namespace="{ns}"}} 1.0' in text
     assert f'rollout_bus_queue_jobs{{namespace="{ns}",queue="{populated.rollout_queue}",state="failed"}} 2.0' in text
     assert f'rollout_bus_policy_version{{kind="serving",namespace="{ns}",policy="p0"}} 2.0' in text
+    assert f'rollout_bus_engine_weight_version{{engine="e0",namespace="{ns}",policy="p0"}} 2.0' in text
+    assert 'rollout_bus_engine_weight_version{engine="e1"' not in text  # no weights yet: no version
 
 
 def test_an_empty_namespace_shows_empty_tables(fake_client: redis.Redis, keys: Keys) -> None:

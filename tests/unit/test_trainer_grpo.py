@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from rollout_bus.trainer.grpo import LossConfig, grpo_loss
@@ -43,3 +44,24 @@ def test_the_ppo_clip_stops_the_gradient_beyond_the_trust_region() -> None:
     out.loss.backward()
     assert logp.grad is not None and float(logp.grad.abs().sum()) == 0.0
     assert out.metrics["ppo_clipped_frac"] == 1.0
+
+
+def test_the_entropy_term_is_minus_the_coefficient_times_the_mean_entropy_and_raises_the_entropy() -> None:
+    logits = torch.tensor([[2.0, 0.0, -1.0]], requires_grad=True)
+    log_probs = torch.log_softmax(logits, -1)
+    logp = log_probs[:, :1]
+    entropy = -(log_probs.exp() * log_probs).sum(-1, keepdim=True)
+    plain = grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([0.0]), torch.ones(1, 1), LossConfig(),
+                      entropy=entropy)
+    assert plain.metrics["entropy_loss"] == 0.0 and plain.metrics["loss"] == plain.metrics["pg_loss"]
+    assert math.isclose(plain.metrics["entropy"], float(entropy.detach()), rel_tol=1e-6)
+    out = grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([0.0]), torch.ones(1, 1),
+                    LossConfig(entropy_coef=0.1), entropy=entropy)
+    assert math.isclose(out.metrics["entropy_loss"], -0.1 * float(entropy.detach()), rel_tol=1e-6)
+    assert math.isclose(out.metrics["loss"], out.metrics["pg_loss"] + out.metrics["entropy_loss"], rel_tol=1e-6)
+    out.loss.backward()
+    assert logits.grad is not None
+    assert logits.grad[0, 0] > 0  # descent lowers the top logit: a flatter, higher-entropy distribution
+    with pytest.raises(ValueError, match="needs the per-token entropy"):
+        grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([0.0]), torch.ones(1, 1),
+                  LossConfig(entropy_coef=0.1))
