@@ -11,7 +11,8 @@ thread (an executor scores on its event-loop thread). So every parse and compari
 one long-lived child process (``Verifier``), on that child's main thread where math-verify's
 own timeouts work, and the caller bounds the whole check with ``timeout_s``: a check that
 runs over (sympy expanding ``9^{9^{9^9}}`` in one C call, which no signal interrupts) kills
-the child, counts as wrong, and the next check starts a fresh one.
+the child, counts as wrong, and the next check starts a fresh one. (``verify_here`` itself
+runs on any thread: off the main one it turns both of math-verify's timeouts off.)
 
 The reward plug-in ``reward(sample)`` reads the response with the tokenizer and the options
 that the data source (``tasks.math_words``) put in the sample's metadata.
@@ -20,13 +21,16 @@ that the data source (``tasks.math_words``) put in the sample's metadata.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import multiprocessing
 import re
+import select
+import subprocess
+import sys
 import threading
+import weakref
 from dataclasses import dataclass
-from multiprocessing.pool import Pool
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from rollout_bus.lm import hf_tokenizer
 
@@ -99,38 +103,106 @@ def verify_here(gold: str, candidate: str) -> bool:
     return bool(verify(parsed_gold, parsed, **({} if main else {"timeout_seconds": None})))
 
 
-class Verifier:
-    """``verify_here`` in a child process, bounded by ``timeout_s`` per check; thread-safe."""
+def warm_up() -> bool:
+    """Import math-verify and run its first parse (antlr and sympy start-up): seconds, not a check's time."""
+    return verify_here("1", "1")
 
-    def __init__(self, timeout_s: float = 5.0) -> None:
+
+def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    """The child's loop: a JSON line ``{"gold", "candidate"}`` in, ``{"ok": bool}`` or ``{"error"}`` out."""
+    def answer(reply: dict[str, Any]) -> None:
+        stdout.write(json.dumps(reply).encode() + b"\n")
+        stdout.flush()
+
+    answer({"ready": warm_up()})
+    for line in stdin:
+        try:
+            asked = json.loads(line)
+            answer({"ok": verify_here(str(asked["gold"]), str(asked["candidate"]))})
+        except Exception as exc:
+            answer({"error": f"{type(exc).__name__}: {exc}"})
+
+
+class Verifier:
+    """``verify_here`` in a child process (``python -m rollout_bus.tasks.math_reward``); thread-safe.
+
+    Each check is bounded by ``timeout_s``: one that runs over kills the child (by pid) and
+    counts as wrong; the next check starts a new child. A child is warmed up (math-verify
+    imported, a first parse done) within ``startup_timeout_s`` before a check's clock starts,
+    so a slow start on a loaded machine is not a timed-out check. The child is a plain
+    subprocess speaking JSON lines: it never re-imports the parent's main module, and it
+    ends when its stdin closes.
+    """
+
+    def __init__(self, timeout_s: float = 5.0, startup_timeout_s: float = 120.0) -> None:
         self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.timeouts = 0
-        self._pool: Pool | None = None
+        self.starts = 0
+        self._child: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        weakref.finalize(self, _stop, child)
+        ready = _read_line(child, self.startup_timeout_s)
+        if ready is None or not ready.get("ready"):
+            _stop(child)
+            why = "did not start within" if ready is None else f"failed its warm-up ({ready}) in"
+            raise RuntimeError(f"math-verify's process {why} {self.startup_timeout_s:.0f}s")
+        self.starts += 1
+        return child
 
     def check(self, gold: str, candidate: str) -> bool:
         with self._lock:
-            if self._pool is None:
-                self._pool = multiprocessing.get_context("spawn").Pool(1)
-            pending = self._pool.apply_async(verify_here, (gold, candidate))
-            try:
-                return bool(pending.get(self.timeout_s))
-            except multiprocessing.TimeoutError:
+            if self._child is None or self._child.poll() is not None:
+                self._child = self._start()
+            child = self._child
+            assert child.stdin is not None
+            child.stdin.write(json.dumps({"gold": gold, "candidate": candidate}).encode() + b"\n")
+            child.stdin.flush()
+            reply = _read_line(child, self.timeout_s)
+            if reply is None:
                 self.timeouts += 1
                 log.warning("math-verify took over %.1fs on %r; counted as wrong, restarting its process",
                             self.timeout_s, candidate[:80])
                 self._close()
                 return False
+            if "error" in reply:
+                log.warning("math-verify failed on %r: %s; counted as wrong", candidate[:80], reply["error"])
+                return False
+            return bool(reply.get("ok"))
 
     def close(self) -> None:
         with self._lock:
             self._close()
 
     def _close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        if self._child is not None:
+            _stop(self._child)
+            self._child = None
+
+
+def _read_line(child: subprocess.Popen[bytes], timeout_s: float) -> dict[str, Any] | None:
+    """The child's next JSON line, or None when none came within ``timeout_s``."""
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], timeout_s)
+    if not ready:
+        return None
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError(f"math-verify's process exited (code {child.wait()})")
+    reply = json.loads(line)
+    return reply if isinstance(reply, dict) else {"error": f"unexpected reply {line[:100]!r}"}
+
+
+def _stop(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is None:
+        child.kill()
+    child.wait()
+    for pipe in (child.stdin, child.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 _default: Verifier | None = None
@@ -177,3 +249,7 @@ async def reward(sample: _Scored) -> float:
     sample.metadata["correct"] = score.correct
     sample.metadata["formatted"] = score.formatted
     return score.reward
+
+
+if __name__ == "__main__":
+    serve(sys.stdin.buffer, sys.stdout.buffer)

@@ -44,8 +44,8 @@ THINGS = (("kilograms of flour", "bag", "bags"), ("liters of juice", "bottle", "
 MULTIPLIERS = {2: "doubles", 3: "triples"}
 
 INSTRUCTIONS: dict[str, str] = {
-    "boxed": "Give the final answer as \\boxed{N}, where N is a number.",
-    "hashes": "End with a line '#### N', where N is the final number.",
+    "boxed": "Please reason step by step, and put your final answer within \\boxed{}.",
+    "hashes": "Please reason step by step, and write the final number on the last line after '####'.",
 }
 
 
@@ -116,12 +116,13 @@ class MathWordsSource:
     ``size`` makes it a finite set visited in epochs (eval sets); ``answer_format`` is the form
     the prompt asks for (``boxed``: ``\\boxed{N}``; ``hashes``: a last line ``#### N``);
     ``format_credit`` and ``unformatted_credit`` are the reward's partial credits (see
-    ``tasks.math_reward.score_text``).
+    ``tasks.math_reward.score_text``). ``instruction`` replaces the line after the problem that
+    asks for the answer's form.
     """
 
     def __init__(self, tokenizer: str, split: str = "train", seed: int = 0, size: int | None = None,
                  min_steps: int = 2, max_steps: int = 3, max_number: int = 20, answer_format: str = "boxed",
-                 system_prompt: str | None = None, format_credit: float = 0.0,
+                 system_prompt: str | None = None, instruction: str | None = None, format_credit: float = 0.0,
                  unformatted_credit: float = 0.0) -> None:
         if not isinstance(tokenizer, str) or not tokenizer:
             raise ValueError("tokenizer must be the path of a Hugging Face model directory")
@@ -135,6 +136,8 @@ class MathWordsSource:
             raise ValueError(f"size must be a positive integer or None, got {size!r}")
         if answer_format not in INSTRUCTIONS:
             raise ValueError(f"answer_format must be one of {sorted(INSTRUCTIONS)}, got {answer_format!r}")
+        if instruction is not None and (not isinstance(instruction, str) or not instruction.strip()):
+            raise ValueError(f"instruction must be a non-empty text or None, got {instruction!r}")
         for label, credit in (("format_credit", format_credit), ("unformatted_credit", unformatted_credit)):
             if isinstance(credit, bool) or not isinstance(credit, int | float) or not 0.0 <= credit <= 1.0:
                 raise ValueError(f"{label} must be a number in [0, 1], got {credit!r}")
@@ -143,6 +146,7 @@ class MathWordsSource:
         self.split, self.seed, self.size = split, seed, size
         self.min_steps, self.max_steps, self.max_number = min_steps, max_steps, max_number
         self.answer_format = answer_format
+        self.instruction = instruction if instruction is not None else INSTRUCTIONS[answer_format]
         self.reward_options = {"answer_format": answer_format, "format_credit": float(format_credit),
                                "unformatted_credit": float(unformatted_credit)}
         self.name = (f"math-words-{split}-s{seed}-k{min_steps}{max_steps}-m{max_number}-{answer_format}"
@@ -155,7 +159,7 @@ class MathWordsSource:
                        min_steps=self.min_steps, max_steps=self.max_steps, max_number=self.max_number)
 
     def user_message(self, p: Problem) -> str:
-        return f"{p.text}\n{INSTRUCTIONS[self.answer_format]}"
+        return f"{p.text}\n{self.instruction}"
 
     def item(self, index: int) -> dict[str, Any]:
         """Item number ``index`` (a sequence number; with ``size`` it wraps into epochs)."""

@@ -85,6 +85,7 @@ def test_a_check_that_runs_over_its_time_counts_as_wrong_and_the_next_one_works(
         assert v.check("15", "\\boxed{9^{9^{9^{9}}}}") is False
         assert v.timeouts == 1, "the tower of powers should have run over the time limit"
         assert v.check("15", "\\boxed{15}") is True
+        assert v.starts == 2 and v.timeouts == 1
     finally:
         v.close()
 

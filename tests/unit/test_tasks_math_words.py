@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rollout_bus.lm.hf_tokenizer import ChatTokenizer, TokenizerError
-from rollout_bus.tasks.math_words import SPLITS, MathWordsSource, problem, split_of
+from rollout_bus.tasks.math_words import INSTRUCTIONS, SPLITS, MathWordsSource, problem, split_of
 from tests.support.tiny_hf import tiny_model_dir
 
 
@@ -76,7 +76,7 @@ def test_the_source_renders_prompts_through_the_models_chat_template(model_dir: 
     p = problem("eval", 0, seed=2)
     tok = ChatTokenizer(model_dir)
     expected = tok.hf.apply_chat_template(
-        [{"role": "user", "content": f"{p.text}\nEnd with a line '#### N', where N is the final number."}],
+        [{"role": "user", "content": f"{p.text}\n{INSTRUCTIONS['hashes']}"}],
         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert item["prompt_ids"] == list(expected)
     assert item["prompt"].startswith("<|im_start|>user\n" + p.text) and item["prompt"].endswith("<|im_start|>assistant\n")
