@@ -14,6 +14,7 @@ import logging
 from urllib.parse import urlsplit
 
 from rollout_bus.controller.backends import Backend, LaunchSpec, ProcessHandle, launch
+from rollout_bus.controller.config import ControllerConfig
 from rollout_bus.controller.core import Core
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.updates import WeightUpdater
@@ -37,6 +38,19 @@ S = EngineState
 def adopted_engine_id(url: str) -> str:
     parts = urlsplit(url)
     return f"adopted-{parts.hostname}-{parts.port}"
+
+
+def launch_spec(cfg: ControllerConfig, engine_id: str, port: int) -> LaunchSpec:
+    """How to start ``engine_id``: engine ``i`` of the configuration (counted over every pool, in id
+    order) gets the GPUs from ``base_gpu_id + i * tp_size`` on."""
+    order = sorted(cfg.expected_engines())
+    index = order.index(engine_id) if engine_id in order else 0
+    return LaunchSpec(engine_id=engine_id, host=cfg.engine_host, port=port, model_path=cfg.model_path,
+                      weight_version=cfg.initial_version, python=cfg.python, extra_args=tuple(cfg.engine_args),
+                      token_delay_ms=cfg.token_delay_ms, seed=cfg.seed, api_key=cfg.engine_api_key,
+                      enable_lora=cfg.enable_lora, max_loras_per_batch=cfg.max_loras_per_batch,
+                      max_lora_rank=cfg.max_lora_rank, lora_target_modules=tuple(cfg.lora_target_modules),
+                      tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size)
 
 
 class Lifecycle:
@@ -90,16 +104,7 @@ class Lifecycle:
 
     # --- launching ---------------------------------------------------------------------------
     def _spawn_process(self, engine_id: str) -> tuple[ProcessHandle, str]:
-        cfg = self.core.config
-        order = sorted(cfg.expected_engines())
-        index = order.index(engine_id) if engine_id in order else 0
-        spec = LaunchSpec(engine_id=engine_id, host=cfg.engine_host, port=free_port(), model_path=cfg.model_path,
-                          weight_version=cfg.initial_version, python=cfg.python,
-                          extra_args=tuple(cfg.engine_args), token_delay_ms=cfg.token_delay_ms, seed=cfg.seed,
-                          api_key=cfg.engine_api_key, enable_lora=cfg.enable_lora,
-                          max_loras_per_batch=cfg.max_loras_per_batch, max_lora_rank=cfg.max_lora_rank,
-                          lora_target_modules=tuple(cfg.lora_target_modules), tp_size=cfg.tp_size,
-                          base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size)
+        spec = launch_spec(self.core.config, engine_id, free_port())
         return launch(self.backend, spec, self.core.log_dir), spec.url
 
     async def launch(self, engine_id: str) -> EngineHandle:
