@@ -40,19 +40,24 @@ class CharCodec:
 
 class HFCodec:
     """A Hugging Face tokenizer. Text is encoded as SGLang does (the tokenizer's own special tokens);
-    EOS ids come from the tokenizer and the model's generation config."""
+    EOS ids come from the tokenizer and the model's generation config. Without a tokenizer
+    (``--skip-tokenizer-init``) there is no text: prompts are token ids and replies carry none."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int], path: str) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int], path: str | None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        if tokenizer.eos_token_id is not None:
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(int(tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos_ids)
         self.health_ids: tuple[int, ...] = (0,)  # SGLang's health probe sends input_ids [0]
         self.path: str | None = path
 
     def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("the engine runs without a tokenizer (--skip-tokenizer-init): send input_ids")
         return list(self.tokenizer(text)["input_ids"])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))

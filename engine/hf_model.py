@@ -28,15 +28,16 @@ from rollout_bus.lm.files import CONFIG_FILE, tensor_shapes
 class HFServed(ServedModel):
     kind = "hf"
 
-    def __init__(self, model_path: str, device: torch.device, version: str, lora: LoraLimits) -> None:
+    def __init__(self, model_path: str, device: torch.device, version: str, lora: LoraLimits, *,
+                 tokenizer: bool = True) -> None:
         from transformers import DynamicCache
 
         model = hf.load_model(model_path, device)
-        tokenizer = hf.load_tokenizer(model_path)
+        loaded = hf.load_tokenizer(model_path) if tokenizer else None
         config = model.config
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-        codec = HFCodec(tokenizer, int(config.get_text_config().vocab_size), eos_ids, model_path)
+        codec = HFCodec(loaded, int(config.get_text_config().vocab_size), eos_ids, model_path if tokenizer else None)
         reference = tensor_shapes(Path(model_path))
         super().__init__(model, reference, codec, max_seq_len=int(config.max_position_embeddings), device=device,
                          version=version, source=model_path, lora=lora)

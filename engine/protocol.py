@@ -103,6 +103,7 @@ class Limits:
     encode: Callable[[str], list[int]]
     adapters: frozenset[str]
     lora_enabled: bool
+    has_tokenizer: bool = True
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -250,6 +251,9 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> GenerateInput:
     for index, prompt in enumerate(prompts):
         where = f"input_ids[{index}]" if batched else "input_ids"
         params = _fit(parse_sampling_params(param_list[index], limits.vocab_size), len(prompt), limits.max_seq_len, where)
+        if params.stop and not limits.has_tokenizer:
+            raise BadRequest("stop strings need a tokenizer, and the engine runs with --skip-tokenizer-init: "
+                             "use stop_token_ids")
         group = groups[index]
         for sample in range(params.n):
             seed = None if params.sampling_seed is None else params.sampling_seed + sample

@@ -86,7 +86,7 @@ class Routes:
     def limits(self) -> Limits:
         return Limits(vocab_size=self.model.vocab_size, max_seq_len=self.model.max_seq_len,
                       encode=self.model.codec.encode, adapters=self.scheduler.usable_adapters(),
-                      lora_enabled=self.model.lora.enabled)
+                      lora_enabled=self.model.lora.enabled, has_tokenizer=not self.engine.args.skip_tokenizer_init)
 
     # generation
     async def generate(self, request: web.Request) -> web.StreamResponse:
