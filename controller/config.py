@@ -147,7 +147,7 @@ class ControllerConfig:
             problems.append(f"pause_mode {self.pause_mode!r} is not one of {list(PAUSE_MODES)}")
         if self.num_engines < 0:
             problems.append(f"num_engines must be >= 0, got {self.num_engines}")
-        if self.total_engines == 0:
+        if self.num_engines + sum(pools.values()) + len(self.adopt_urls) == 0:
             problems.append("nothing to manage: give num_engines >= 1 or at least one adopt URL")
         launched = self.num_engines + sum(pools.values())
         if launched > 0 and not self.model_path:
