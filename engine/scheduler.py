@@ -48,7 +48,7 @@ class SchedulerConfig:
     max_batch_size: int = 32
     token_delay_ms: float = 0.0
     seed: int = 0
-    idle_poll_s: float = 0.05
+    idle_poll_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class Scheduler:
         self._by_rid: dict[str, Seq] = {}
         self._batch = model.new_batch()
         self._unloading: dict[str, list[Future[None]]] = {}
+        self.unloading: frozenset[str] = frozenset()  # the names above, replaced whole (read by HTTP)
         # written by the scheduler thread, read anywhere
         self.paused: PauseMode | None = None
         self.released: frozenset[str] = frozenset()
@@ -95,7 +96,7 @@ class Scheduler:
 
     def usable_adapters(self) -> frozenset[str]:
         """Adapters a new request may name: loaded and not being unloaded."""
-        return frozenset(self.model.adapter_paths()) - frozenset(self._unloading)
+        return frozenset(self.model.adapter_paths()) - self.unloading
 
     # thread-safe API: each call runs on the scheduler thread between steps
     def call(self, fn: Callable[[], T]) -> Future[T]:
@@ -255,6 +256,7 @@ class Scheduler:
             raise BadRequest(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.model.adapter_paths())}")
         done: Future[None] = Future()
         self._unloading.setdefault(name, []).append(done)
+        self.unloading = frozenset(self._unloading)
         self._finish_unloads()
         return done
 
@@ -264,6 +266,7 @@ class Scheduler:
         in_use = {s.spec.lora for s in (*self._running, *self._waiting)}
         for name in [n for n in self._unloading if n not in in_use]:
             waiters = self._unloading.pop(name)
+            self.unloading = frozenset(self._unloading)
             try:
                 self.model.detach_adapter(name)
             except Exception as exc:
@@ -295,15 +298,15 @@ class Scheduler:
             "weight_bytes": self.model.live_bytes(),
             "kv_cache_bytes": self._batch.nbytes(),
             "adapters": sorted(self.model.adapter_paths()),
-            "unloading": sorted(self._unloading),
+            "unloading": sorted(self.unloading),
         }
 
     # the loop
     def _loop(self) -> None:
         logger.info("scheduler started")
         while not self._stopping:
+            self._finish_unloads()  # right after a step, in which the last user of an adapter may have ended
             self._run_commands(wait_s=0.0 if self._can_step() else self.config.idle_poll_s)
-            self._finish_unloads()
             if self._stopping or not self._can_step():
                 continue
             try:
@@ -315,6 +318,9 @@ class Scheduler:
             if self.config.token_delay_ms > 0:
                 self._run_commands_until(time.monotonic() + self.config.token_delay_ms / 1000)
         self._abort(self._matching(None), "the engine is shutting down", status_code=503)
+        for waiters in self._unloading.values():
+            for waiter in waiters:
+                waiter.set_exception(Unavailable("the engine is shutting down"))
         self._fail_pending_commands()
         logger.info("scheduler stopped")
 

@@ -27,7 +27,7 @@ import shutil
 import struct
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -387,7 +387,3 @@ def _check_member_name(name: str) -> None:
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
         raise WeightsError(f"file name {name!r} in a weights directory must be a plain file name")
 
-
-def describe(shapes: Iterable[str], limit: int = 4) -> str:
-    names = sorted(shapes)
-    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
