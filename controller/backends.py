@@ -37,6 +37,13 @@ class LaunchSpec:
     extra_args: tuple[str, ...] = ()
     token_delay_ms: float = 0.0
     seed: int | None = None
+    api_key: str | None = None
+    enable_lora: bool = False
+    max_loras_per_batch: int = 8
+    max_lora_rank: int = 64
+    lora_target_modules: tuple[str, ...] = ("all",)
+    tp_size: int = 1
+    base_gpu_id: int = 0
 
     @property
     def url(self) -> str:
@@ -53,7 +60,7 @@ class Backend:
 
 
 class CpuBackend(Backend):
-    """The project's CPU engine (``engine.server``) over the tiny torch LM."""
+    """The project's CPU engine (``engine.server``): a Hugging Face model or the tiny LM."""
 
     name = "cpu"
 
@@ -64,21 +71,34 @@ class CpuBackend(Backend):
             cmd += ["--token-delay-ms", f"{spec.token_delay_ms:g}"]
         if spec.seed is not None:
             cmd += ["--seed", str(spec.seed)]
+        if spec.api_key:
+            cmd += ["--api-key", spec.api_key]
+        if spec.enable_lora:
+            cmd += ["--enable-lora", "--max-loras-per-batch", str(spec.max_loras_per_batch),
+                    "--max-lora-rank", str(spec.max_lora_rank)]
         return cmd + list(spec.extra_args)
 
 
 @dataclass
 class SglangBackend(Backend):
-    """``sglang.launch_server`` for GPU hosts; memory saver on so offload/onload work."""
+    """``sglang.launch_server`` for GPU hosts: memory saver on so offload/onload work, GPUs placed per
+    engine (``--base-gpu-id``, ``--tp-size``), LoRA on when adapter policies are served (SGLang needs
+    ``--max-lora-rank`` and ``--lora-target-modules`` when no ``--lora-paths`` are given at launch)."""
 
     name: ClassVar[str] = "sglang"
     memory_saver: bool = True
 
     def command(self, spec: LaunchSpec) -> list[str]:
         cmd = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path,
-               "--host", spec.host, "--port", str(spec.port), "--weight-version", str(spec.weight_version)]
+               "--host", spec.host, "--port", str(spec.port), "--weight-version", str(spec.weight_version),
+               "--tp-size", str(spec.tp_size), "--base-gpu-id", str(spec.base_gpu_id)]
         if self.memory_saver and "--enable-memory-saver" not in spec.extra_args:
             cmd.append("--enable-memory-saver")
+        if spec.api_key:
+            cmd += ["--api-key", spec.api_key]
+        if spec.enable_lora:
+            cmd += ["--enable-lora", "--max-loras-per-batch", str(spec.max_loras_per_batch),
+                    "--max-lora-rank", str(spec.max_lora_rank), "--lora-target-modules", *spec.lora_target_modules]
         return cmd + list(spec.extra_args)
 
 

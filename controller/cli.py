@@ -18,12 +18,17 @@ from rollout_bus.controller.config import BACKENDS, PAUSE_MODES, ConfigError, Co
 
 def build_parser() -> argparse.ArgumentParser:
     d = ControllerConfig()
-    p = argparse.ArgumentParser(prog="rollout-bus controller", description="rollout-bus inference controller")
+    p = argparse.ArgumentParser(prog="rollout-bus controller", description="rollout-bus inference controller",
+                                epilog="Engines on a shared network: set $ROLLOUT_BUS_ENGINE_API_KEY (SGLang's "
+                                       "--api-key) for the controller and the executors.")
     p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", d.namespace))
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
     p.add_argument("--instance", default=d.instance, help="stable instance name (consumer names, producer)")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend)
-    p.add_argument("--num-engines", type=int, default=d.num_engines)
+    p.add_argument("--num-engines", type=int, default=d.num_engines,
+                   help="engines of the base policy (adapter policies are served on them too)")
+    p.add_argument("--pool", action="append", default=[], dest="pools", metavar="POLICY=N",
+                   help="N more engines whose base weights are the full-weight policy POLICY (repeatable)")
     p.add_argument("--model-path", default=d.model_path)
     p.add_argument("--engine-host", default=d.engine_host)
     p.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
@@ -34,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adopt-url", action="append", default=[], dest="adopt_urls",
                    help="an engine launched elsewhere to manage (repeatable)")
     p.add_argument("--log-dir", default=None, help="engine logs (default: a temporary directory)")
+    p.add_argument("--enable-lora", action="store_true", help="launch engines with LoRA on (adapter policies)")
+    p.add_argument("--max-loras-per-batch", type=int, default=d.max_loras_per_batch)
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank (SGLang)")
+    p.add_argument("--lora-target-modules", nargs="+", default=d.lora_target_modules,
+                   help="modules adapters may target (SGLang; 'all' by default)")
+    p.add_argument("--tp-size", type=int, default=d.tp_size, help="SGLang: GPUs per engine")
+    p.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
+                   help="SGLang: first GPU; engine i starts at base + i * tp-size")
     p.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
     p.add_argument("--max-restart-attempts", type=int, default=d.max_restart_attempts)
     p.add_argument("--keep-engines", action="store_true", help="leave launched engines running on exit")

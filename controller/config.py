@@ -28,8 +28,24 @@ PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 OFFLOAD_TAGS: tuple[str, ...] = get_args(OffloadTag)
 
 
+ENGINE_API_KEY_ENV = "ROLLOUT_BUS_ENGINE_API_KEY"
+
+
 class ConfigError(InvalidRequest):
     """The configuration is invalid; the message lists every problem."""
+
+
+def parse_pools(items: list[str]) -> dict[str, int]:
+    """``["p1=2", "p2=1"]`` -> ``{"p1": 2, "p2": 1}``; ``ValueError`` naming the bad item."""
+    pools: dict[str, int] = {}
+    for item in items:
+        policy, sep, count = item.partition("=")
+        if not sep or not count.strip().isdigit():
+            raise ValueError(f"pool {item!r} must be POLICY=NUM_ENGINES")
+        if policy in pools:
+            raise ValueError(f"pool {policy!r} is given twice")
+        pools[policy] = int(count)
+    return pools
 
 
 @dataclass
@@ -43,6 +59,9 @@ class ControllerConfig:
     # --- engines ---------------------------------------------------------------------
     backend: str = "cpu"
     num_engines: int = 1
+    """Engines of the base policy's pool (adapter policies are served on them too)."""
+    pools: list[str] = field(default_factory=list)
+    """More pools, ``POLICY=NUM_ENGINES``: engines whose base weights are that full-weight policy's."""
     model_path: str = ""
     engine_host: str = "127.0.0.1"
     engine_args: list[str] = field(default_factory=list)
@@ -51,6 +70,16 @@ class ControllerConfig:
     initial_version: int = 0
     adopt_urls: list[str] = field(default_factory=list)
     python: str = sys.executable
+    engine_api_key: str | None = field(default_factory=lambda: os.environ.get(ENGINE_API_KEY_ENV) or None)
+    """Sent as a bearer token to every engine, and given to launched ones as ``--api-key``."""
+    enable_lora: bool = False
+    """Launch engines with LoRA on, so adapter policies can be served."""
+    max_loras_per_batch: int = 8
+    max_lora_rank: int = 64
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all"])
+    tp_size: int = 1
+    """SGLang: GPUs per engine; engine ``i`` (counted over every pool) starts at ``base_gpu_id + i * tp_size``."""
+    base_gpu_id: int = 0
     log_dir: str | None = None
     startup_timeout_s: float = 120.0
     max_restart_attempts: int = 5
@@ -71,7 +100,19 @@ class ControllerConfig:
 
     @property
     def total_engines(self) -> int:
-        return self.num_engines + len(self.adopt_urls)
+        return self.num_engines + sum(self.pool_sizes().values()) + len(self.adopt_urls)
+
+    def pool_sizes(self) -> dict[str, int]:
+        """The extra full-weight pools, policy -> number of engines."""
+        return parse_pools(self.pools)
+
+    def expected_engines(self) -> dict[str, str]:
+        """Engine id -> base policy of every engine to launch: ``engine-<i>`` for the base pool,
+        ``engine-<policy>-<i>`` for the others."""
+        out = {f"engine-{i}": self.base_policy for i in range(self.num_engines)}
+        for policy, count in self.pool_sizes().items():
+            out.update({f"engine-{policy}-{i}": policy for i in range(count)})
+        return out
 
     def validate(self) -> ControllerConfig:
         """Return ``self`` or raise ``ConfigError`` naming every invalid setting."""
@@ -83,16 +124,37 @@ class ControllerConfig:
                 problems.append(str(exc))
         if self.backend not in BACKENDS:
             problems.append(f"backend {self.backend!r} is not one of {list(BACKENDS)}")
+        try:
+            pools = self.pool_sizes()
+        except ValueError as exc:
+            problems.append(str(exc))
+            pools = {}
+        for policy in pools:
+            try:
+                check_name("pool policy", policy)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if self.base_policy in pools:
+            problems.append(f"pool {self.base_policy!r} is the base policy: its engines are --num-engines")
+        if any(n < 0 for n in pools.values()):
+            problems.append("pool sizes must be >= 0")
+        for name in ("max_loras_per_batch", "max_lora_rank", "tp_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.base_gpu_id < 0:
+            problems.append(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if self.pause_mode not in PAUSE_MODES:
             problems.append(f"pause_mode {self.pause_mode!r} is not one of {list(PAUSE_MODES)}")
         if self.num_engines < 0:
             problems.append(f"num_engines must be >= 0, got {self.num_engines}")
-        if self.total_engines == 0:
+        if self.num_engines + sum(pools.values()) + len(self.adopt_urls) == 0:
             problems.append("nothing to manage: give num_engines >= 1 or at least one adopt URL")
-        if self.num_engines > 0 and not self.model_path:
+        launched = self.num_engines + sum(pools.values())
+        if launched > 0 and not self.model_path:
             problems.append("model_path is required to launch engines")
-        elif self.num_engines > 0 and self.backend == "cpu" and not os.path.isdir(self.model_path):
-            problems.append(f"model_path {self.model_path!r} is not a directory (config.json + model.safetensors)")
+        elif launched > 0 and self.backend == "cpu" and not os.path.isdir(self.model_path):
+            problems.append(f"model_path {self.model_path!r} is not a directory (a Hugging Face model directory, "
+                            "or config.json + model.safetensors of the tiny LM)")
         if not self.weights_root:
             problems.append("weights_root is required: weights outside it are refused")
         for url in self.adopt_urls:

@@ -62,6 +62,22 @@ class Core:
     def serving(self) -> list[EngineHandle]:
         return [h for h in self.engines.values() if h.state == EngineState.SERVING]
 
+    def pool_policies(self) -> set[str]:
+        """Policies with an engine pool of their own (full weights): the base policy and ``--pool`` ones."""
+        return {self.config.base_policy, *self.config.pool_sizes()}
+
+    def pool_of(self, policy: str) -> str:
+        """The pool that serves ``policy``: its own, or the base pool for an adapter policy."""
+        return policy if policy in self.pool_policies() else self.config.base_policy
+
+    def members(self, policy: str) -> list[EngineHandle]:
+        """Every engine that serves (or will serve) ``policy``."""
+        pool = self.pool_of(policy)
+        return [h for h in self.engines.values() if h.record.base_policy == pool]
+
+    def serving_members(self, policy: str) -> list[EngineHandle]:
+        return [h for h in self.members(policy) if h.state == EngineState.SERVING]
+
     def ops(self, h: EngineHandle) -> int:
         return self._ops.get(h.engine_id, 0)
 

@@ -2,8 +2,9 @@
 
 A health round runs ``/health_generate`` on all engines concurrently (``asyncio.gather``), so
 its duration is that of the slowest check, at most ``timeout_s``: 32 engines with one
-hung take about one timeout, not 32. A healthy engine's load (running + queued
-requests from ``/server_info``) is read in the same task, best effort.
+hung take about one timeout, not 32. A healthy engine's load (running + waiting requests
+over every data-parallel rank, from SGLang's ``GET /v1/loads``; ``/server_info`` carries no
+request counts) is read in the same task, best effort.
 """
 
 from __future__ import annotations
@@ -26,19 +27,17 @@ class HealthResult:
     load: int | None = None
 
 
-def load_of(server_info: Mapping[str, Any]) -> int | None:
-    """Running + queued requests from ``/server_info`` (``internal_states`` list or dict)."""
-    states = server_info.get("internal_states")
-    if isinstance(states, dict):
-        states = [states]
-    if not isinstance(states, list):
+def load_of(loads: Mapping[str, Any]) -> int | None:
+    """Running + waiting requests over every rank of a ``/v1/loads`` reply; None when it has no figures."""
+    ranks = loads.get("loads")
+    if not isinstance(ranks, list):
         return None
     total, seen = 0, False
-    for state in states:
-        if not isinstance(state, dict):
+    for rank in ranks:
+        if not isinstance(rank, dict):
             continue
-        for key in ("num_running_reqs", "running", "num_queue_reqs", "queued", "num_waiting_reqs"):
-            value = state.get(key)
+        for key in ("num_running_reqs", "num_waiting_reqs"):
+            value = rank.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 total += value
                 seen = True
@@ -57,7 +56,7 @@ async def check_engine(engine_id: str, client: EngineClient, timeout_s: float, *
     load = None
     if with_load:
         try:
-            load = load_of(await client.server_info(timeout_s=timeout_s))
+            load = load_of(await client.loads(timeout_s=timeout_s))
         except EngineHTTPError:
             load = None
     return HealthResult(engine_id, True, latency, load=load)

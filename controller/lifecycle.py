@@ -14,10 +14,11 @@ import logging
 from urllib.parse import urlsplit
 
 from rollout_bus.controller.backends import Backend, LaunchSpec, ProcessHandle, launch
+from rollout_bus.controller.config import ControllerConfig
 from rollout_bus.controller.core import Core
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.updates import WeightUpdater
-from rollout_bus.controller.versions import engine_versions
+from rollout_bus.controller.versions import base_version, loaded_adapters
 from rollout_bus.engine.http_client import EngineClient, EngineHTTPError
 from rollout_bus.events.embedded import free_port
 from rollout_bus.events.registry import EngineRecord, EngineState
@@ -39,6 +40,19 @@ def adopted_engine_id(url: str) -> str:
     return f"adopted-{parts.hostname}-{parts.port}"
 
 
+def launch_spec(cfg: ControllerConfig, engine_id: str, port: int) -> LaunchSpec:
+    """How to start ``engine_id``: engine ``i`` of the configuration (counted over every pool, in id
+    order) gets the GPUs from ``base_gpu_id + i * tp_size`` on."""
+    order = sorted(cfg.expected_engines())
+    index = order.index(engine_id) if engine_id in order else 0
+    return LaunchSpec(engine_id=engine_id, host=cfg.engine_host, port=port, model_path=cfg.model_path,
+                      weight_version=cfg.initial_version, python=cfg.python, extra_args=tuple(cfg.engine_args),
+                      token_delay_ms=cfg.token_delay_ms, seed=cfg.seed, api_key=cfg.engine_api_key,
+                      enable_lora=cfg.enable_lora, max_loras_per_batch=cfg.max_loras_per_batch,
+                      max_lora_rank=cfg.max_lora_rank, lora_target_modules=tuple(cfg.lora_target_modules),
+                      tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size)
+
+
 class Lifecycle:
     def __init__(self, core: Core, backend: Backend, updater: WeightUpdater) -> None:
         self.core = core
@@ -48,21 +62,49 @@ class Lifecycle:
     def new_handle(self, engine_id: str, url: str, *, managed: bool, state: EngineState = S.LAUNCHING,
                    process: ProcessHandle | None = None) -> EngineHandle:
         cfg = self.core.config
+        base_policy = cfg.expected_engines().get(engine_id, cfg.base_policy)  # adopted engines: the base pool
         record = EngineRecord(engine_id=engine_id, url=url, state=state,
                               backend=cfg.backend if managed else "external", managed=managed,
-                              pause_mode=cfg.pause_mode, base_policy=cfg.base_policy,
+                              pause_mode=cfg.pause_mode, base_policy=base_policy,
                               pid=process.pid if process else None)
-        handle = EngineHandle(record, EngineClient(url, timeout_s=cfg.request_timeout_s), process)
+        handle = EngineHandle(record, self.client(url), process)
         self.core.engines[engine_id] = handle
         self.core.refresh_state_metrics()
         return handle
 
+    def client(self, url: str) -> EngineClient:
+        cfg = self.core.config
+        return EngineClient(url, timeout_s=cfg.request_timeout_s, api_key=cfg.engine_api_key)
+
+    async def read_versions(self, h: EngineHandle) -> None:
+        """What the engine runs, from the engine itself: its base weights' version (``/model_info``) and
+        the adapters it has loaded (``/v1/models``, whose names carry their versions). Adapter names of
+        older versions of a policy are unloaded."""
+        cfg = self.core.config
+        info = await h.client.model_info(timeout_s=cfg.request_timeout_s)
+        versions: dict[str, int] = {}
+        base = base_version(info)
+        if base is not None:
+            versions[h.record.base_policy] = base
+        adapters: dict[str, str] = {}
+        try:
+            loaded = loaded_adapters(await h.client.models(timeout_s=cfg.request_timeout_s))
+        except EngineHTTPError as exc:
+            log.info("engine %s lists no adapters (%s)", h.engine_id, exc.message)
+            loaded = {}
+        for policy, names in loaded.items():
+            (version, name), *older = names
+            versions[policy], adapters[policy] = version, name
+            for _, old in older:
+                try:
+                    await h.client.unload_lora_adapter(old, timeout_s=cfg.update_timeout_s)
+                except EngineHTTPError as exc:
+                    log.warning("engine %s: unloading stale adapter %s failed: %s", h.engine_id, old, exc.message)
+        h.record.versions, h.record.adapters = versions, adapters
+
     # --- launching ---------------------------------------------------------------------------
     def _spawn_process(self, engine_id: str) -> tuple[ProcessHandle, str]:
-        cfg = self.core.config
-        spec = LaunchSpec(engine_id=engine_id, host=cfg.engine_host, port=free_port(), model_path=cfg.model_path,
-                          weight_version=cfg.initial_version, python=cfg.python,
-                          extra_args=tuple(cfg.engine_args), token_delay_ms=cfg.token_delay_ms, seed=cfg.seed)
+        spec = launch_spec(self.core.config, engine_id, free_port())
         return launch(self.backend, spec, self.core.log_dir), spec.url
 
     async def launch(self, engine_id: str) -> EngineHandle:
@@ -117,11 +159,10 @@ class Lifecycle:
                                        self.core.event(EngineReady, engine_id=h.engine_id, url=h.record.url))
         try:
             await h.client.continue_generation(timeout_s=self.core.config.request_timeout_s)
-            info = await h.client.model_info(timeout_s=self.core.config.request_timeout_s)
+            await self.read_versions(h)
         except EngineHTTPError as exc:
             await self._mark_unhealthy(h, f"engine stopped answering after it was ready: {exc.message}")
             return False
-        h.record.versions = engine_versions(info, self.core.config.base_policy)
         outcome = await self.updater.catch_up(h)
         if outcome is not None:
             await self._mark_unhealthy(h, f"could not load the latest weights: {outcome.reason}")
@@ -172,8 +213,8 @@ class Lifecycle:
                     await self._mark_unhealthy(h, f"relaunch failed: {exc}")
                     continue
                 h.record.pid = h.process.pid
-                h.record.versions = {}
-                h.client = EngineClient(h.record.url, timeout_s=cfg.request_timeout_s)
+                h.record.versions, h.record.adapters = {}, {}
+                h.client = self.client(h.record.url)
                 await self.core.transition(h, S.LAUNCHING, self.core.event(
                     EngineLaunching, engine_id=h.engine_id, url=h.record.url, backend=h.record.backend,
                     managed=True))

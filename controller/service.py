@@ -28,7 +28,7 @@ from rollout_bus.controller.metrics import ControllerMetrics
 from rollout_bus.controller.recovery import KnownEngine, fold_engine_log, merge_registry
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.updates import WeightUpdater
-from rollout_bus.controller.versions import Target, engine_versions
+from rollout_bus.controller.versions import Target
 from rollout_bus.controller.weights import BadWeights, verify
 from rollout_bus.engine.http_client import EngineClient, EngineHTTPError, close_shared_session
 from rollout_bus.events.connection import Redis
@@ -133,11 +133,12 @@ class InferenceController:
         to the launch weights): it is never verified and seeds no target.
         """
         cfg = self.config
-        self.core.book.seed(cfg.base_policy, cfg.initial_version)
-        if cfg.base_policy not in policies:
-            launch = PolicyRecord(cfg.base_policy, published=cfg.initial_version)
-            self.core.policies[cfg.base_policy] = launch
-            await self.core.bus.put_policy(launch)
+        for pool in sorted(self.core.pool_policies()):
+            self.core.book.seed(pool, cfg.initial_version)
+            if pool not in policies:
+                launch = PolicyRecord(pool, published=cfg.initial_version)
+                self.core.policies[pool] = launch
+                await self.core.bus.put_policy(launch)
         for policy, record in policies.items():
             self.core.policies[policy] = record
             if record.published < 0 or not record.uri:
@@ -150,11 +151,18 @@ class InferenceController:
                 log.warning("policy %s v%d from the registry is unusable now: %s", policy, record.published,
                             exc.reason)
                 target = None
+            if target is not None:
+                try:
+                    self.updater.check_servable(target)
+                except BadWeights as exc:
+                    log.warning("policy %s v%d from the registry cannot be served now: %s", policy,
+                                record.published, exc.reason)
+                    target = None
             self.core.book.seed(policy, record.published, target, proven=record.serving == record.published)
 
     async def _reconcile_engines(self, known: dict[str, KnownEngine]) -> None:
         cfg = self.config
-        expected = {f"engine-{i}" for i in range(cfg.num_engines)}
+        expected = set(cfg.expected_engines())
         adopt_ids = {adopted_engine_id(url): url for url in cfg.adopt_urls}
         probes = await asyncio.gather(*(self._probe(k) for k in known.values()))
         tasks = []
@@ -168,7 +176,7 @@ class InferenceController:
 
     async def _probe(self, engine: KnownEngine) -> dict[str, object] | None:
         try:
-            return await EngineClient(engine.url).model_info(timeout_s=self.config.health_timeout_s)
+            return await self.lifecycle.client(engine.url).model_info(timeout_s=self.config.health_timeout_s)
         except EngineHTTPError:
             return None
 
@@ -200,8 +208,13 @@ class InferenceController:
                 await self.lifecycle.fail(h, "not answering when a new controller took over")
             return
         assert info is not None
-        h.record.versions = engine_versions(info, self.config.base_policy)
-        log.info("adopting live engine %s at %s (pid %s)", h.engine_id, h.record.url, h.record.pid)
+        try:  # what the engine runs, from the engine: base version and loaded adapters (names carry versions)
+            await self.lifecycle.read_versions(h)
+        except EngineHTTPError as exc:
+            await self.lifecycle.fail(h, f"not answering when a new controller took over: {exc.message}")
+            return
+        log.info("adopting live engine %s at %s (pid %s): %s", h.engine_id, h.record.url, h.record.pid,
+                 h.record.versions)
         if h.state in (S.SERVING, S.OFFLOADED):
             if h.state == S.SERVING:
                 try:  # the previous controller may have died between pause and continue
@@ -338,32 +351,57 @@ class InferenceController:
         return dict(zip((h.engine_id for h in targets), results, strict=True))
 
     async def _offload_one(self, h: EngineHandle, tags: list[str]) -> str:
+        """Release memory the way SGLang allows it: only an idle engine may release (its scheduler asserts
+        so, and the server dies otherwise). A serving engine first leaves the serving set (the registry
+        says ``offloaded``, so executors stop choosing it), then pauses in ``abort`` mode (requests in
+        flight end with their partial output, which executors continue elsewhere), then releases."""
+        cfg = self.config
         async with self.core.operate(h):
             if h.state not in (S.SERVING, S.OFFLOADED):
                 return f"skipped: engine is {h.state.value}"
+            already = sorted(set(tags) & set(h.record.offloaded_tags))
+            if already:
+                return f"refused: {already} already released on {h.engine_id}"
+            was_serving = h.state == S.SERVING
             try:
-                await h.client.release_memory_occupation(tags, timeout_s=self.config.request_timeout_s)
+                if was_serving:
+                    await self.core.transition(h, S.OFFLOADED, None)
+                    await h.client.pause_generation("abort", timeout_s=cfg.request_timeout_s)
+                await h.client.release_memory_occupation(tags, timeout_s=cfg.request_timeout_s)
             except EngineHTTPError as exc:
-                if exc.rejected:
-                    return f"refused: {exc.message}"
-                problem = f"release_memory_occupation failed: {exc.message}"
+                if not exc.rejected:
+                    problem = f"release_memory_occupation failed: {exc.message}"
+                else:
+                    if was_serving:  # back to serving: nothing was released
+                        try:
+                            await h.client.continue_generation(timeout_s=cfg.request_timeout_s)
+                            await self.core.transition(h, S.SERVING, None)
+                            return f"refused: {exc.message}"
+                        except EngineHTTPError as again:
+                            problem = f"continue_generation failed after a refused release: {again.message}"
+                    else:
+                        return f"refused: {exc.message}"
             else:
                 h.record.offloaded_tags = sorted(set(h.record.offloaded_tags) | set(tags))
-                event = self.core.event(EngineOffloaded, engine_id=h.engine_id, tags=tags)
-                if h.state == S.SERVING:
-                    await self.core.transition(h, S.OFFLOADED, event)
-                else:
-                    await self.core.save(h, event)
+                await self.core.save(h, self.core.event(EngineOffloaded, engine_id=h.engine_id, tags=tags))
                 return "ok"
         await self.lifecycle.fail(h, problem)
         return problem
 
     async def _onload_one(self, h: EngineHandle, tags: list[str]) -> str:
+        """Resume released memory; tags that were never released are refused here, never sent (SGLang's
+        scheduler raises on them and the server dies). With nothing left released, generation continues,
+        the latest weights are loaded, and the engine serves again."""
+        cfg = self.config
         async with self.core.operate(h):
             if h.state != S.OFFLOADED:
                 return f"skipped: engine is {h.state.value}"
+            never = sorted(set(tags) - set(h.record.offloaded_tags))
+            if never:
+                return (f"refused: {never} not offloaded on {h.engine_id} "
+                        f"(offloaded: {h.record.offloaded_tags}); nothing was sent")
             try:
-                await h.client.resume_memory_occupation(tags, timeout_s=self.config.request_timeout_s)
+                await h.client.resume_memory_occupation(tags, timeout_s=cfg.request_timeout_s)
             except EngineHTTPError as exc:
                 if exc.rejected:
                     return f"refused: {exc.message}"
@@ -373,12 +411,18 @@ class InferenceController:
                 await self.core.save(h, self.core.event(EngineOnloaded, engine_id=h.engine_id, tags=tags))
                 if h.record.offloaded_tags:
                     return "ok"
-                outcome = await self.updater.catch_up(h)
-                if outcome is None:
-                    await self.core.transition(h, S.SERVING, self.core.event(
-                        EngineServing, engine_id=h.engine_id, url=h.record.url, versions=dict(h.record.versions)))
-                    await self.updater.joined()
-                    return "ok"
-                problem = f"could not load the latest weights after onload: {outcome.reason}"
+                try:
+                    await h.client.continue_generation(timeout_s=cfg.request_timeout_s)
+                except EngineHTTPError as exc:
+                    problem = f"continue_generation failed after onload: {exc.message}"
+                else:
+                    outcome = await self.updater.catch_up(h)
+                    if outcome is None:
+                        await self.core.transition(h, S.SERVING, self.core.event(
+                            EngineServing, engine_id=h.engine_id, url=h.record.url,
+                            versions=dict(h.record.versions)))
+                        await self.updater.joined()
+                        return "ok"
+                    problem = f"could not load the latest weights after onload: {outcome.reason}"
         await self.lifecycle.fail(h, problem)
         return problem

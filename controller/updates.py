@@ -1,14 +1,23 @@
 """Weight updates: from ``WeightsPublished`` to ``WeightVersionServing``.
 
-``submit`` checks a publication (ordering, then the file: root, existence, sha256,
-shapes) and either refuses it with ``WeightUpdateFailed`` (engines keep serving the
-old version and the event says which) or makes it the policy's target. One worker per
-policy converges serving engines to the target: each round pushes the target to every
-serving engine that does not run it, in parallel (pause with the configured mode,
-``/update_weights_from_disk``, continue), then announces. Rounds always read the
-newest target, so a newer version supersedes an older one and the older one is never
-applied after it. Policies have separate workers, so one policy's push does not stall
-another's; an engine's lock keeps two pushes to one engine from interleaving.
+``submit`` checks a publication (ordering, where it can be served, then the directory:
+root, manifest, every file's sha256, finite values, shapes or adapter fit) and either
+refuses it with ``WeightUpdateFailed`` (engines keep serving the old version and the
+event says why) or makes it the policy's target. One worker per policy converges the
+serving engines of the policy's pool to the target: each round pushes the target to
+every one that does not run it, in parallel, then announces. Full weights: pause with
+the configured mode, ``/update_weights_from_disk`` (with ``flush_cache`` off under an
+``in_place`` pause, whose held requests SGLang cannot flush), continue. An adapter:
+``/load_lora_adapter`` under ``<policy>@v<version>``, the registry switched to the new
+name, then the old name unloaded in the background (SGLang lets requests that use it
+finish; no gap, no pause). Rounds always read the newest target, so a newer version
+supersedes an older one and the older one is never applied after it. Policies have
+separate workers, so one policy's push does not stall another's; an engine's lock
+keeps two pushes to one engine from interleaving.
+
+Pools: a full-weight policy is served by the pool whose base it is (``--num-engines``
+for the base policy, ``--pool POLICY=N`` for others); an adapter policy by the base
+pool. A publication that no pool can serve is refused with the reason.
 
 The policy record (``events.registry.PolicyRecord``) names the weights engines must run:
 ``published``/``uri``/``sha256`` are written when a version is accepted (and rewritten if
@@ -39,10 +48,10 @@ from typing import Literal
 
 from rollout_bus.controller.core import Core
 from rollout_bus.controller.state import EngineHandle
-from rollout_bus.controller.versions import Target, lora_name_for
-from rollout_bus.controller.weights import BadWeights, Shapes, reference_shapes, verify
+from rollout_bus.controller.versions import Target
+from rollout_bus.controller.weights import BadWeights, reference_shapes, verify
 from rollout_bus.engine.http_client import EngineHTTPError
-from rollout_bus.events.registry import EngineState, PolicyRecord
+from rollout_bus.events.registry import EngineState, PolicyRecord, adapter_name
 from rollout_bus.events.schema import (
     WeightsApplied,
     WeightsPublished,
@@ -50,6 +59,7 @@ from rollout_bus.events.schema import (
     WeightUpdateStarted,
     WeightVersionServing,
 )
+from rollout_bus.lm.files import Shapes
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,11 @@ class EngineOutcome:
     status: Status
     reason: str = ""
     duration_s: float = 0.0
+
+
+ADAPTER_RETIRE_DELAY_S = 1.0
+"""How long an old adapter name stays loaded after the registry names the new one (executors re-read
+the registry every 0.5 s; one that still sends the old name after this retries on a 400)."""
 
 
 def lags(h: EngineHandle, target: Target) -> bool:
@@ -112,6 +127,7 @@ class WeightUpdater:
             try:
                 target = await asyncio.to_thread(verify, event.policy, event.version, event.uri, event.sha256,
                                                  self.root, self.reference)
+                self.check_servable(target)
             except BadWeights as exc:
                 reason = exc.reason
                 log.warning("refusing weights %s v%d: %s", event.policy, event.version, reason)
@@ -127,9 +143,25 @@ class WeightUpdater:
             await self._ack(entry_id)
         return reason
 
+    def check_servable(self, target: Target) -> None:
+        """``BadWeights`` when no engine pool can serve ``target`` as published."""
+        cfg = self.core.config
+        pools = self.core.pool_policies()
+        if target.kind == "full" and target.policy not in pools:
+            raise BadWeights(
+                f"policy {target.policy!r} publishes full weights, but no engine pool runs it as its base: start "
+                f"the controller with --pool {target.policy}=N (engines of its own), or publish a LoRA adapter "
+                f"(served on the {cfg.base_policy!r} engines)")
+        if target.kind == "adapter" and target.policy in pools:
+            raise BadWeights(f"policy {target.policy!r} is the base of an engine pool: publish full weights for it, "
+                             "not an adapter")
+        if target.kind == "adapter" and not cfg.enable_lora:
+            raise BadWeights(f"policy {target.policy!r} publishes a LoRA adapter, but the engines run without "
+                             "LoRA: start the controller with --enable-lora")
+
     async def _refuse(self, event: WeightsPublished, reason: str, per_engine: bool) -> None:
         self.core.metrics.weight_update_failures.labels(event.policy, "refused").inc()
-        engines = self.core.serving() if per_engine else []
+        engines = self.core.serving_members(event.policy) if per_engine else []
         for h in engines:
             await self.core.bus.weights_event(self.core.event(
                 WeightUpdateFailed, policy=event.policy, version=event.version, engine_id=h.engine_id,
@@ -179,7 +211,7 @@ class WeightUpdater:
         target = self.core.book.target(policy)
         if target is None:
             return []
-        behind = [h for h in self.core.serving() if lags(h, target)]
+        behind = [h for h in self.core.serving_members(policy) if lags(h, target)]
         outcomes: list[EngineOutcome] = []
         if behind:
             await self.core.bus.weights_event(self.core.event(
@@ -204,7 +236,8 @@ class WeightUpdater:
         for outcome in outcomes:
             by_status.setdefault(outcome.status, []).append(outcome)
         handles = {h.engine_id: h for h in engines}
-        anyone_runs = any(h.record.versions.get(target.policy) == target.version for h in self.core.serving())
+        anyone_runs = any(h.record.versions.get(target.policy) == target.version
+                          for h in self.core.serving_members(target.policy))
         for outcome in by_status.get("failed", []):
             self.core.metrics.weight_update_failures.labels(target.policy, "engine_failed").inc()
             await self.on_failed(handles[outcome.engine_id], f"weight update failed: {outcome.reason}")
@@ -236,36 +269,29 @@ class WeightUpdater:
 
     async def push(self, h: EngineHandle, target: Target, *, pause: bool) -> EngineOutcome:
         """Load ``target`` on one engine; the caller holds the engine's lock."""
-        cfg = self.core.config
-        client = h.client
         h.record.updating[target.policy] = target.version
         await self.core.save(h)
         started = time.perf_counter()
-        status: Status = "applied"
-        reason = ""
         try:
-            if pause:
-                await client.pause_generation(cfg.pause_mode, timeout_s=cfg.request_timeout_s)
-            try:
-                await client.update_weights_from_disk(
-                    target.engine_path, weight_version=target.version,
-                    lora_name=lora_name_for(target.policy, cfg.base_policy), timeout_s=cfg.update_timeout_s)
-            except EngineHTTPError as exc:
-                status, reason = ("rejected" if exc.rejected else "failed"), exc.message
-            if pause:
-                await client.continue_generation(timeout_s=cfg.request_timeout_s)
-        except EngineHTTPError as exc:
-            status, reason = "failed", f"{exc.path}: {exc.message}"
+            if target.kind == "adapter":
+                status, reason = await self._load_adapter(h, target)
+            else:
+                status, reason = await self._load_weights(h, target, pause=pause)
         finally:
             h.record.updating.pop(target.policy, None)
         duration = time.perf_counter() - started
         if status == "applied":
             h.record.versions[target.policy] = target.version
+            old = h.record.adapters.get(target.policy)
+            if target.kind == "adapter":
+                h.record.adapters[target.policy] = adapter_name(target.policy, target.version)
             await self.core.bus.weights_event(self.core.event(
                 WeightsApplied, policy=target.policy, version=target.version, engine_id=h.engine_id,
                 duration_ms=duration * 1000), h.record)
             log.info("engine %s runs %s v%d (%.0f ms)", h.engine_id, target.policy, target.version,
                      duration * 1000)
+            if old is not None and old != h.record.adapters.get(target.policy):
+                self.core.spawn(self._retire_adapter(h, old), f"retire-{h.engine_id}-{old}")
         else:
             if status == "rejected":
                 reason = f"engine refused the weights: {reason}; {keeps(h, target.policy)}"
@@ -275,10 +301,61 @@ class WeightUpdater:
             log.warning("engine %s: %s v%d %s: %s", h.engine_id, target.policy, target.version, status, reason)
         return EngineOutcome(h.engine_id, status, reason, duration)
 
+    async def _load_weights(self, h: EngineHandle, target: Target, *, pause: bool) -> tuple[Status, str]:
+        """Pause, ``/update_weights_from_disk``, continue. Under an ``in_place`` pause the held requests'
+        cache cannot be flushed, so none is asked for; if SGLang still answers that the weights were
+        loaded but not flushed, they are in: the version is set with ``/update_weight_version``."""
+        cfg = self.core.config
+        client = h.client
+        status: Status = "applied"
+        reason = ""
+        try:
+            if pause:
+                await client.pause_generation(cfg.pause_mode, timeout_s=cfg.request_timeout_s)
+            try:
+                await client.update_weights_from_disk(
+                    target.engine_path, weight_version=target.version,
+                    flush_cache=not (pause and cfg.pause_mode == "in_place"), timeout_s=cfg.update_timeout_s)
+            except EngineHTTPError as exc:
+                if not exc.unflushed:
+                    status, reason = ("rejected" if exc.rejected else "failed"), exc.message
+                else:
+                    log.info("engine %s loaded %s v%d without a cache flush; setting its version",
+                             h.engine_id, target.policy, target.version)
+                    await client.update_weight_version(target.version, abort_all_requests=False,
+                                                       timeout_s=cfg.request_timeout_s)
+            if pause:
+                await client.continue_generation(timeout_s=cfg.request_timeout_s)
+        except EngineHTTPError as exc:
+            status, reason = "failed", f"{exc.path}: {exc.message}"
+        return status, reason
+
+    async def _load_adapter(self, h: EngineHandle, target: Target) -> tuple[Status, str]:
+        name = adapter_name(target.policy, target.version)
+        try:
+            await h.client.load_lora_adapter(name, target.engine_path, timeout_s=self.core.config.update_timeout_s)
+        except EngineHTTPError as exc:
+            if exc.rejected and "already loaded" in exc.message:
+                return "applied", ""  # loaded before a controller change: the name pins the version
+            return ("rejected" if exc.rejected else "failed"), exc.message
+        return "applied", ""
+
+    async def _retire_adapter(self, h: EngineHandle, name: str) -> None:
+        """Unload an adapter name the registry no longer gives out (SGLang finishes its requests first)."""
+        await asyncio.sleep(ADAPTER_RETIRE_DELAY_S)
+        if name in h.record.adapters.values():
+            return
+        try:
+            await h.client.unload_lora_adapter(name, timeout_s=self.core.config.update_timeout_s)
+            log.info("engine %s unloaded adapter %s", h.engine_id, name)
+        except EngineHTTPError as exc:
+            log.warning("engine %s: unloading adapter %s failed: %s", h.engine_id, name, exc.message)
+
     async def catch_up(self, h: EngineHandle) -> EngineOutcome | None:
         """Give an engine that is not serving yet the target of every policy; None when all applied."""
         for _ in range(5):
-            behind = [t for t in self.core.book.targets().values() if lags(h, t)]
+            behind = [t for t in self.core.book.targets().values()
+                      if self.core.pool_of(t.policy) == h.record.base_policy and lags(h, t)]
             if not behind:
                 return None
             for target in behind:
@@ -293,7 +370,7 @@ class WeightUpdater:
         target = self.core.book.target(policy)
         if target is None:
             return
-        serving = self.core.serving()
+        serving = self.core.serving_members(policy)
         behind = [h for h in serving if h.record.versions.get(policy) != target.version]
         if behind:
             lagging = [h for h in behind if lags(h, target)]
@@ -317,22 +394,22 @@ class WeightUpdater:
             await self._settle_entries(target)
 
     async def announce_launch(self) -> None:
-        """The base policy's launch record says ``serving`` once every serving engine runs the launch version.
+        """A pool's launch record says ``serving`` once every serving engine of the pool runs the launch version.
 
         A launch record names a version but no weights file (``_seed_versions`` writes it when the registry
         has none); once a publication becomes the target, ``announce`` writes ``serving`` instead.
         """
-        policy = self.core.config.base_policy
-        record = self.core.policies.get(policy)
-        if (record is None or record.uri or record.serving >= record.published
-                or self.core.book.target(policy) is not None):
-            return
-        serving = self.core.serving()
-        if serving and all(h.record.versions.get(policy) == record.published for h in serving):
-            record.serving = record.published
-            await self.core.bus.put_policy(record)
-            log.info("all %d serving engines run the launch weights of %s (v%d)", len(serving), policy,
-                     record.published)
+        for policy in sorted(self.core.pool_policies()):
+            record = self.core.policies.get(policy)
+            if (record is None or record.uri or record.serving >= record.published
+                    or self.core.book.target(policy) is not None):
+                continue
+            serving = self.core.serving_members(policy)
+            if serving and all(h.record.versions.get(policy) == record.published for h in serving):
+                record.serving = record.published
+                await self.core.bus.put_policy(record)
+                log.info("all %d serving engines run the launch weights of %s (v%d)", len(serving), policy,
+                         record.published)
 
     async def _record_target(self, policy: str) -> None:
         """The policy record names the weights engines must run: ``published``, ``uri``, ``sha256``."""

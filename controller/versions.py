@@ -1,10 +1,11 @@
-"""Weight versions per policy: ordering, supersession and the policy -> weight-set mapping.
+"""Weight versions per policy: ordering, supersession, and what an engine reports it runs.
 
-Policy mapping: the controller's ``base_policy`` (``"default"`` unless configured) is
-the engine's base weights (``/update_weights_from_disk`` without ``lora_name``; the
-version is ``/model_info``'s ``weight_version``). Any other policy is a named weight
-set on every engine: ``lora_name=<policy>`` on update, ``lora_path=<policy>`` on
-``/generate``, and ``weight_versions[<policy>]`` in ``/model_info``.
+Policies and engines: each engine pool has a base policy, whose full weights the engines of the
+pool run (``/update_weights_from_disk``; the version is ``/model_info``'s ``weight_version``). Any
+other policy is a PEFT LoRA adapter served on top of the controller's base pool: loaded with
+``/load_lora_adapter`` under ``<policy>@v<version>`` (``events.registry.adapter_name``) and picked per
+request with that name as ``lora_path``. SGLang keeps no version per adapter; the name carries it,
+and ``/v1/models`` lists the loaded names, which is how an adopted engine's adapters are read back.
 
 Ordering: versions of a policy only go up. A published version that is not newer
 than the newest accepted one is ignored (with a reason). A newer version accepted
@@ -16,31 +17,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rollout_bus.engine.http_client import parse_version
+from rollout_bus.events.registry import parse_adapter_name
 
 
-def lora_name_for(policy: str, base_policy: str) -> str | None:
-    """The engine weight-set name of ``policy``: None for the base weights."""
-    return None if policy == base_policy else policy
+def base_version(model_info: Mapping[str, Any]) -> int | None:
+    """The base weights' version an engine reports in ``/model_info`` (None for a placeholder)."""
+    return parse_version(model_info.get("weight_version"))
 
 
-def engine_versions(model_info: Mapping[str, Any], base_policy: str) -> dict[str, int]:
-    """Per-policy versions an engine reports in ``/model_info`` (placeholders dropped)."""
-    out: dict[str, int] = {}
-    named = model_info.get("weight_versions")
-    if isinstance(named, Mapping):
-        for name, value in named.items():
-            version = parse_version(value)
-            if version is not None and isinstance(name, str):
-                out[name] = version
-    base = parse_version(model_info.get("weight_version"))
-    out.pop("base", None)
-    if base is not None:
-        out[base_policy] = base
-    else:
-        out.pop(base_policy, None)
+def loaded_adapters(models: Mapping[str, Any]) -> dict[str, list[tuple[int, str]]]:
+    """Adapter versions an engine lists in ``/v1/models``: policy -> [(version, name)], newest first.
+
+    Only names made by ``adapter_name`` count; anything else loaded there is not the controller's."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    data = models.get("data")
+    for card in data if isinstance(data, list) else []:
+        name = card.get("id") if isinstance(card, dict) else None
+        parsed = parse_adapter_name(name) if isinstance(name, str) and card.get("parent") else None
+        if parsed is not None:
+            out.setdefault(parsed[0], []).append((parsed[1], str(name)))
+    for versions in out.values():
+        versions.sort(reverse=True)
     return out
 
 
@@ -53,6 +53,7 @@ class Target:
     uri: str
     sha256: str
     engine_path: str
+    kind: Literal["full", "adapter"] = "full"
 
 
 class VersionBook:

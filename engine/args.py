@@ -23,21 +23,40 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     enable_memory_saver: bool = False
     log_level: str = "info"
+    api_key: str | None = None
+    enable_lora: bool = False
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
+    lora_paths: tuple[str, ...] = ()
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The arguments as ``/server_info`` shows them (the api key is not shown)."""
+        out = asdict(self)
+        out["api_key"] = None if self.api_key is None else "<set>"
+        return out
+
+    def adapters_at_start(self) -> list[tuple[str, str]]:
+        """``--lora-paths name=path`` (or a bare path, named after its last part) as (name, path)."""
+        out = []
+        for item in self.lora_paths:
+            name, sep, path = item.partition("=")
+            out.append((name, path) if sep else (item.rstrip("/").rsplit("/", 1)[-1], item))
+        return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m engine.server",
-        description="CPU engine speaking SGLang's native HTTP API over a TinyLM.",
+        description="CPU engine speaking SGLang's native HTTP API over a Hugging Face causal LM or the tiny LM.",
     )
-    parser.add_argument("--model-path", required=True, help="directory with config.json and model.safetensors")
+    parser.add_argument("--model-path", required=True,
+                        help="a Hugging Face model directory (config.json, safetensors single or sharded, "
+                             "tokenizer files) or a tiny LM directory (config.json + model.safetensors)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--weight-version", default="default", help="version reported for the initial weights")
@@ -54,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for SGLang compatibility; memory release always works here",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health*, /ready and /metrics")
+    parser.add_argument("--enable-lora", action="store_true", default=False, help="serve LoRA adapters")
+    parser.add_argument("--max-loras-per-batch", type=int, default=8, help="distinct adapters decoded together")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None, help="accepted for SGLang compatibility")
+    parser.add_argument("--lora-paths", nargs="+", default=(), help="adapters to load at start: NAME=PATH ...")
     return parser
 
 
@@ -66,4 +92,11 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineArgs:
         parser.error("--token-delay-ms must be >= 0")
     if ns.torch_threads < 1:
         parser.error("--torch-threads must be >= 1")
+    if ns.max_loras_per_batch < 1:
+        parser.error("--max-loras-per-batch must be >= 1")
+    if ns.lora_paths:
+        ns.enable_lora = True  # as SGLang: adapters given at launch turn LoRA on
+    ns.lora_paths = tuple(ns.lora_paths)
+    if ns.lora_target_modules is not None:
+        ns.lora_target_modules = tuple(ns.lora_target_modules)
     return EngineArgs(**vars(ns))

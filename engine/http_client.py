@@ -4,7 +4,13 @@ One ``aiohttp.ClientSession`` per event loop (``shared_session``) pools connecti
 every engine; ``EngineClient`` is a cheap per-engine view over it. Every failure becomes
 ``EngineHTTPError`` with the HTTP status (``0`` when no reply came: refused, reset or
 timed out) and the engine's message, so callers branch on ``status`` and ``rejected``
-instead of on aiohttp's exception zoo.
+instead of on aiohttp's exception zoo. With an ``api_key`` every call carries
+``Authorization: Bearer <key>`` (SGLang's ``--api-key``).
+
+Two 400s mean something else than "refused, nothing changed": ``unflushed`` (SGLang loaded the
+weights, could not flush the cache of requests held by an ``in_place`` pause, and kept reporting
+the old version) and ``unknown_adapter`` (a ``lora_path`` the engine does not have, which is what a
+stale routing table sends after an adapter swap).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from rollout_bus.events.errors import Failure
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+UNFLUSHED_PREFIX = "Weights were updated, but the cache was not flushed"
+UNKNOWN_ADAPTER_MARK = "has never been loaded"
 _sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
     weakref.WeakKeyDictionary())
 
@@ -45,8 +53,19 @@ class EngineHTTPError(Failure):
 
     @property
     def rejected(self) -> bool:
-        """The engine answered and refused (a 4xx): it is alive and kept its previous state."""
+        """The engine answered and refused (a 4xx): it is alive (and, but for ``unflushed``, unchanged)."""
         return 400 <= self.status < 500
+
+    @property
+    def unflushed(self) -> bool:
+        """SGLang's 400 after a weight load it could not follow with a cache flush: the new weights ARE
+        loaded, the reported version is still the old one."""
+        return self.status == 400 and self.message.startswith(UNFLUSHED_PREFIX)
+
+    @property
+    def unknown_adapter(self) -> bool:
+        """A 400 for a ``lora_path`` the engine has not loaded (or is unloading)."""
+        return self.status == 400 and UNKNOWN_ADAPTER_MARK in self.message
 
 
 def shared_session() -> aiohttp.ClientSession:
@@ -71,10 +90,11 @@ class EngineClient:
     """The native API of one engine at ``url`` (``http://host:port``)."""
 
     def __init__(self, url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._session = session
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.url!r})"
@@ -89,7 +109,7 @@ class EngineClient:
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             async with self.session.request(
-                    method, self.url + path, json=payload,
+                    method, self.url + path, json=payload, headers=self._headers,
                     timeout=aiohttp.ClientTimeout(total=limit)) as resp:
                 body = await resp.read()
                 status = resp.status
@@ -141,21 +161,26 @@ class EngineClient:
     async def server_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return _as_dict(await self.request("GET", "/server_info", timeout_s=timeout_s))
 
+    async def loads(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``GET /v1/loads``: SGLang's load snapshot (``loads[].num_running_reqs`` and ``num_waiting_reqs``)."""
+        return _as_dict(await self.request("GET", "/v1/loads", timeout_s=timeout_s))
+
+    async def models(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``GET /v1/models``: the served model and every loaded LoRA adapter (``id`` its name, ``root`` its path)."""
+        return _as_dict(await self.request("GET", "/v1/models", timeout_s=timeout_s))
+
     async def flush_cache(self, *, timeout_s: float | None = None) -> None:
         await self.request("POST", "/flush_cache", timeout_s=timeout_s)
 
     # --- weights -----------------------------------------------------------------------------
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | int | None = None,
-                                       lora_name: str | None = None, load_format: str | None = None,
-                                       abort_all_requests: bool = False, flush_cache: bool = True,
-                                       timeout_s: float | None = None) -> dict[str, Any]:
-        """Load new weights; a rejected load (400) leaves the engine on its previous weights."""
+                                       load_format: str | None = None, abort_all_requests: bool = False,
+                                       flush_cache: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
+        """Load new base weights. A 400 leaves the engine on its previous weights, except ``unflushed``."""
         payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests,
                                    "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        if lora_name is not None:
-            payload["lora_name"] = lora_name
         if load_format is not None:
             payload["load_format"] = load_format
         return _as_dict(await self.request("POST", "/update_weights_from_disk", payload, timeout_s=timeout_s))
@@ -164,6 +189,17 @@ class EngineClient:
                                     timeout_s: float | None = None) -> dict[str, Any]:
         payload = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
         return _as_dict(await self.request("POST", "/update_weight_version", payload, timeout_s=timeout_s))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *,
+                                timeout_s: float | None = None) -> dict[str, Any]:
+        """Load a PEFT LoRA adapter under ``lora_name`` (what ``/generate`` then names as ``lora_path``)."""
+        payload = {"lora_name": lora_name, "lora_path": lora_path}
+        return _as_dict(await self.request("POST", "/load_lora_adapter", payload, timeout_s=timeout_s))
+
+    async def unload_lora_adapter(self, lora_name: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Unload an adapter; the engine finishes the requests that use it first."""
+        payload = {"lora_name": lora_name}
+        return _as_dict(await self.request("POST", "/unload_lora_adapter", payload, timeout_s=timeout_s))
 
     async def pause_generation(self, mode: str = "abort", *, timeout_s: float | None = None) -> dict[str, Any]:
         return _as_dict(await self.request("POST", "/pause_generation", {"mode": mode}, timeout_s=timeout_s))
@@ -206,7 +242,7 @@ def _parse(body: bytes) -> Any:
 
 def _message(data: Any) -> str:
     if isinstance(data, dict):
-        for key in ("message", "error", "detail"):
+        for key in ("message", "error_message", "error", "detail"):
             value = data.get(key)
             if isinstance(value, dict):
                 value = value.get("message", value)

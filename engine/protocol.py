@@ -1,7 +1,9 @@
 """Parsing and validation of request bodies, following SGLang's native API (see engine/README.md).
 
-Every problem raises ``BadRequest`` with a message that names the field and says what to send.
-Parameters SGLang has but this engine does not implement are accepted only at their neutral value.
+Every problem raises ``BadRequest`` with a message that names the field and says what to send. As in
+SGLang's HTTP layer, unknown top-level keys are ignored, while unknown ``sampling_params`` keys and
+wrong types are 400s. Parameters SGLang has but this engine does not implement are accepted only at
+their neutral value.
 """
 
 from __future__ import annotations
@@ -14,12 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 from rollout_bus.engine.errors import BadRequest
-from rollout_bus.lm.model import ModelConfig
 
 DEFAULT_MAX_NEW_TOKENS = 128
 FIT = -1  # max_new_tokens not given: as many as fit in max_seq_len, at most DEFAULT_MAX_NEW_TOKENS
 MAX_N = 64
-BASE_WEIGHT_SET = "base"
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
 
@@ -28,12 +28,18 @@ _SAMPLING_NEUTRAL: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
+    "stop_regex": None,
     "regex": None,
     "json_schema": None,
     "ebnf": None,
     "structural_tag": None,
     "custom_params": None,
+    "logit_bias": None,
+    "beam_width": None,
+    "watermark": None,
+    "choice": None,
 }
+_SAMPLING_ACCEPTED = {"spaces_between_special_tokens", "stream_interval"}  # no effect here
 _GENERATE_NEUTRAL: dict[str, Any] = {
     "logprob_start_len": -1,
     "top_logprobs_num": 0,
@@ -41,6 +47,9 @@ _GENERATE_NEUTRAL: dict[str, Any] = {
     "return_hidden_states": False,
     "custom_logit_processor": None,
     "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "input_embeds": None,
     "session_params": None,
 }
 
@@ -72,7 +81,7 @@ class SequenceSpec:
     rid: str
     input_ids: tuple[int, ...]
     params: SamplingParams
-    weight_set: str
+    lora: str | None  # the adapter serving this sequence; None: the base weights
     seed: int | None
     return_logprob: bool
     return_text_in_logprobs: bool
@@ -85,7 +94,16 @@ class GenerateInput:
     stream: bool
 
 
-ConfigLookup = Callable[[str], ModelConfig]
+@dataclass(frozen=True)
+class Limits:
+    """What a /generate request is checked against: the served model and its loaded adapters."""
+
+    vocab_size: int
+    max_seq_len: int
+    encode: Callable[[str], list[int]]
+    adapters: frozenset[str]
+    lora_enabled: bool
+    has_tokenizer: bool = True
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -145,12 +163,10 @@ def get_str(body: dict[str, Any], name: str, default: str | None) -> str | None:
 
 
 def get_version(body: dict[str, Any], name: str) -> str | None:
-    """A weight version: SGLang sends strings; integers are accepted and turned into strings."""
+    """A weight version: a string, as SGLang requires (an integer is a 400 there too)."""
     value = body.get(name)
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
     raise BadRequest(f"{name} must be a string, got {value!r}")
 
 
@@ -159,11 +175,11 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
         raw = {}
     if not isinstance(raw, dict):
         raise BadRequest(f"sampling_params must be a JSON object, got {raw!r}")
-    allowed = {f for f in SamplingParams.__dataclass_fields__} | set(_SAMPLING_NEUTRAL)
-    allowed.add("spaces_between_special_tokens")  # no effect on character tokens
+    allowed = {f for f in SamplingParams.__dataclass_fields__} | set(_SAMPLING_NEUTRAL) | _SAMPLING_ACCEPTED
     reject_unknown(raw, allowed, "sampling_params")
     _check_neutral(raw, _SAMPLING_NEUTRAL, "sampling_params")
     get_bool(raw, "spaces_between_special_tokens", True)
+    get_optional_int(raw, "stream_interval")
     temperature = get_float(raw, "temperature", 1.0)
     top_p = get_float(raw, "top_p", 1.0)
     top_k = get_int(raw, "top_k", -1)
@@ -210,25 +226,22 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     )
 
 
-def parse_generate(body: dict[str, Any], config_for: ConfigLookup) -> GenerateInput:
-    """Expand a /generate body into one spec per sequence (prompt-major: prompt 0's n samples first)."""
-    allowed = {"input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs",
-               "rid", "stream", "lora_path"} | set(_GENERATE_NEUTRAL)
-    reject_unknown(body, allowed, "the /generate request")
+def parse_generate(body: dict[str, Any], limits: Limits) -> GenerateInput:
+    """Expand a /generate body into one spec per sequence (prompt-major: prompt 0's n samples first,
+    the order of SGLang's replies). Unknown top-level keys are ignored, as SGLang does."""
     _check_neutral(body, _GENERATE_NEUTRAL, "the /generate request")
-    if body.get("text") is not None:
-        raise BadRequest("this engine takes input_ids only; tokenize text with lm.tokenizer.encode")
-    raw_ids = body.get("input_ids")
-    batched = isinstance(raw_ids, list) and bool(raw_ids) and all(isinstance(x, list) for x in raw_ids)
-    prompts: list[Any] = raw_ids if batched else [raw_ids]  # type: ignore[assignment]
-    if raw_ids is None or (isinstance(raw_ids, list) and not raw_ids):
-        raise BadRequest("input_ids is required: a non-empty list of token ids, or a list of such lists")
+    _check_extras(body)
+    prompts, batched = _prompts(body, limits)
     count = len(prompts)
-    top_rid = body.get("rid")
-    groups = _request_ids(top_rid, count)
-    sets = _per_prompt(body.get("lora_path"), count, "lora_path")
+    groups = _request_ids(body.get("rid"), count)
+    adapters = _adapters(body.get("lora_path"), count, limits)
     raw_params = body.get("sampling_params")
-    param_list = raw_params if isinstance(raw_params, list) else [raw_params] * count
+    if isinstance(raw_params, list):
+        if not batched:
+            raise BadRequest("sampling_params is a list, but there is one prompt: send one JSON object")
+        param_list = raw_params
+    else:
+        param_list = [raw_params] * count
     if len(param_list) != count:
         raise BadRequest(f"sampling_params is a list of {len(param_list)}, but there are {count} prompts")
     return_logprob = get_bool(body, "return_logprob", False)
@@ -236,13 +249,11 @@ def parse_generate(body: dict[str, Any], config_for: ConfigLookup) -> GenerateIn
     stream = get_bool(body, "stream", False)
     sequences: list[SequenceSpec] = []
     for index, prompt in enumerate(prompts):
-        weight_set = sets[index] or BASE_WEIGHT_SET
-        config = config_for(weight_set)
         where = f"input_ids[{index}]" if batched else "input_ids"
-        if not isinstance(prompt, list) or not prompt:
-            raise BadRequest(f"{where} must be a non-empty list of token ids")
-        _check_ids(prompt, config.vocab_size, where)
-        params = _fit(parse_sampling_params(param_list[index], config.vocab_size), len(prompt), config, where)
+        params = _fit(parse_sampling_params(param_list[index], limits.vocab_size), len(prompt), limits.max_seq_len, where)
+        if params.stop and not limits.has_tokenizer:
+            raise BadRequest("stop strings need a tokenizer, and the engine runs with --skip-tokenizer-init: "
+                             "use stop_token_ids")
         group = groups[index]
         for sample in range(params.n):
             seed = None if params.sampling_seed is None else params.sampling_seed + sample
@@ -252,7 +263,7 @@ def parse_generate(body: dict[str, Any], config_for: ConfigLookup) -> GenerateIn
                     rid=rid,
                     input_ids=tuple(prompt),
                     params=params,
-                    weight_set=weight_set,
+                    lora=adapters[index],
                     seed=seed,
                     return_logprob=return_logprob,
                     return_text_in_logprobs=text_in_logprobs,
@@ -261,8 +272,66 @@ def parse_generate(body: dict[str, Any], config_for: ConfigLookup) -> GenerateIn
     return GenerateInput(sequences=sequences, batched=batched or len(sequences) > 1, stream=stream)
 
 
+def _prompts(body: dict[str, Any], limits: Limits) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids (``text`` is tokenized) and whether the request is a batch."""
+    text, raw_ids = body.get("text"), body.get("input_ids")
+    if text is not None and raw_ids is not None:
+        raise BadRequest("send either text or input_ids, not both")
+    if text is not None:
+        if isinstance(text, str):
+            texts, batched = [text], False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            texts, batched = text, True
+        else:
+            raise BadRequest(f"text must be a string or a non-empty list of strings, got {text!r}"[:300])
+        try:
+            prompts = [limits.encode(t) for t in texts]
+        except ValueError as exc:
+            raise BadRequest(f"cannot tokenize text: {exc}") from None
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise BadRequest(f"text{f'[{index}]' if batched else ''} encodes to no tokens")
+        return prompts, batched
+    if raw_ids is None or (isinstance(raw_ids, list) and not raw_ids):
+        raise BadRequest("input_ids is required: a non-empty list of token ids, or a list of such lists (or send text)")
+    if not isinstance(raw_ids, list):
+        raise BadRequest(f"input_ids must be a list of token ids or a list of such lists, got {raw_ids!r}"[:300])
+    batched = all(isinstance(x, list) for x in raw_ids)
+    id_lists: list[Any] = raw_ids if batched else [raw_ids]
+    for index, prompt in enumerate(id_lists):
+        where = f"input_ids[{index}]" if batched else "input_ids"
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRequest(f"{where} must be a non-empty list of token ids")
+        _check_ids(prompt, limits.vocab_size, where)
+    return id_lists, batched
+
+
+def _check_extras(body: dict[str, Any]) -> None:
+    """Fields SGLang accepts that change nothing here, type-checked as SGLang does."""
+    priority = body.get("priority")
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+        raise BadRequest(f"priority must be an integer, got {priority!r}")
+    labels = body.get("custom_labels")
+    if labels is not None and (not isinstance(labels, dict)
+                               or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())):
+        raise BadRequest(f"custom_labels must be an object of strings, got {labels!r}"[:300])
+
+
+def _adapters(value: Any, count: int, limits: Limits) -> list[str | None]:
+    names = _per_prompt(value, count, "lora_path")
+    for name in names:
+        if name is None:
+            continue
+        if not limits.lora_enabled:
+            raise BadRequest(f"LoRA adapter {name!r} was requested, but LoRA is not enabled. "
+                             "Please launch the server with --enable-lora.")
+        if name not in limits.adapters:
+            raise BadRequest(f"Got LoRA adapter that has never been loaded: {name}\n"
+                             f"All loaded adapters: {sorted(limits.adapters)}.")
+    return names
+
+
 def parse_pause_mode(body: dict[str, Any]) -> PauseMode:
-    reject_unknown(body, {"mode"}, "/pause_generation")
     mode = get_str(body, "mode", "abort") or "abort"
     if mode not in PAUSE_MODES:
         raise BadRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
@@ -273,28 +342,28 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def parse_memory_tags(body: dict[str, Any], where: str) -> tuple[str, ...]:
-    reject_unknown(body, {"tags"}, where)
+    """The tags of a release or resume; null or [] means all of them (as in SGLang)."""
     tags = body.get("tags")
-    if tags is None:
+    if tags is None or tags == []:
         return MEMORY_TAGS
     if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
         raise BadRequest(f"tags must be null or a list drawn from {list(MEMORY_TAGS)}, got {tags!r}")
     return tuple(dict.fromkeys(tags))
 
 
-def _fit(params: SamplingParams, prompt_len: int, config: ModelConfig, where: str) -> SamplingParams:
-    room = config.max_seq_len - prompt_len
+def _fit(params: SamplingParams, prompt_len: int, max_seq_len: int, where: str) -> SamplingParams:
+    room = max_seq_len - prompt_len
     if params.max_new_tokens == FIT:
         if room <= 0:
             raise BadRequest(
                 f"{where} has {prompt_len} tokens, leaving no room to generate within max_seq_len "
-                f"{config.max_seq_len}; shorten the prompt"
+                f"{max_seq_len}; shorten the prompt"
             )
         return replace(params, max_new_tokens=min(room, DEFAULT_MAX_NEW_TOKENS))
     if params.max_new_tokens > room:
         raise BadRequest(
             f"{where} has {prompt_len} tokens; with max_new_tokens {params.max_new_tokens} that exceeds "
-            f"max_seq_len {config.max_seq_len}: shorten the prompt or set max_new_tokens <= {max(room, 0)}"
+            f"max_seq_len {max_seq_len}: shorten the prompt or set max_new_tokens <= {max(room, 0)}"
         )
     return params
 

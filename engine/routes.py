@@ -1,43 +1,35 @@
-"""HTTP endpoints in SGLang's native shapes (see /work/shared reference and the module docs).
+"""HTTP endpoints in SGLang's native shapes: generation, health and information (control: ``control.py``).
 
 Handlers parse and validate on the event loop, hand work to the scheduler thread as commands, and
-await the results. Weight files are read on a worker thread so the loop keeps serving.
+await the results. With ``--api-key`` every route but ``/health*``, ``/ready`` and ``/metrics`` (and
+any OPTIONS request) needs ``Authorization: Bearer KEY``, as SGLang's middleware does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
+from rollout_bus.engine.control import Control
 from rollout_bus.engine.errors import BadRequest, EngineError, Unavailable
-from rollout_bus.engine.protocol import (
-    BASE_WEIGHT_SET,
-    SamplingParams,
-    SequenceSpec,
-    get_bool,
-    get_str,
-    get_version,
-    parse_generate,
-    parse_json,
-    parse_memory_tags,
-    parse_pause_mode,
-    reject_unknown,
-)
+from rollout_bus.engine.protocol import Limits, SamplingParams, SequenceSpec, parse_generate, parse_json
 from rollout_bus.engine.replies import generate_reply
 from rollout_bus.engine.runtime import ENGINE_VERSION, Engine
 from rollout_bus.engine.sequence import Progress, Seq
-from rollout_bus.engine.weights import WeightUpdate, read_weights
-from rollout_bus.lm.tokenizer import BOS_ID
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -54,37 +46,51 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return web.json_response({"error": {"message": f"internal error: {exc!r}"}}, status=500)
 
 
+def api_key_middleware(key: str) -> Any:
+    expected = key.encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "OPTIONS" or request.path.startswith(OPEN_PREFIXES):
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 class Routes:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.scheduler = engine.scheduler
-        self.store = engine.store
+        self.model = engine.model
 
     def add_to(self, app: web.Application) -> None:
         post, get = web.post, web.get
         app.add_routes([
             post("/generate", self.generate),
+            web.put("/generate", self.generate),
             get("/health", self.health),
             get("/health_generate", self.health_generate),
-            get("/ready", self.health),
+            get("/ready", self.ready),
             get("/model_info", self.model_info),
             get("/get_model_info", self.model_info),
             get("/server_info", self.server_info),
             get("/get_server_info", self.server_info),
-            get("/flush_cache", self.flush_cache),
-            post("/flush_cache", self.flush_cache),
-            post("/update_weights_from_disk", self.update_weights_from_disk),
-            post("/update_weight_version", self.update_weight_version),
-            post("/pause_generation", self.pause_generation),
-            post("/continue_generation", self.continue_generation),
-            post("/abort_request", self.abort_request),
-            post("/release_memory_occupation", self.release_memory),
-            post("/resume_memory_occupation", self.resume_memory),
+            get("/v1/loads", self.loads),
+            get("/v1/models", self.models),
         ])
+
+    def limits(self) -> Limits:
+        return Limits(vocab_size=self.model.vocab_size, max_seq_len=self.model.max_seq_len,
+                      encode=self.model.codec.encode, adapters=self.scheduler.usable_adapters(),
+                      lora_enabled=self.model.lora.enabled, has_tokenizer=not self.engine.args.skip_tokenizer_init)
 
     # generation
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_generate(await _body(request), self.store.config_for)
+        parsed = parse_generate(parse_json(await request.read()), self.limits())
         updates: asyncio.Queue[Progress] = asyncio.Queue()
         seqs = [Seq(spec, _sink(updates), stream=parsed.stream) for spec in parsed.sequences]
         await asyncio.wrap_future(self.scheduler.submit(seqs))
@@ -103,15 +109,10 @@ class Routes:
         replies = [self._reply(finals[s.rid]) for s in seqs]
         return web.json_response(replies if parsed.batched else replies[0])
 
-    async def _stream(
-        self,
-        request: web.Request,
-        seqs: list[Seq],
-        updates: asyncio.Queue[Progress],
-        finals: dict[str, Progress],
-        batched: bool,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request: web.Request, seqs: list[Seq], updates: asyncio.Queue[Progress],
+                      finals: dict[str, Progress], batched: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                               "Cache-Control": "no-cache"})
         await response.prepare(request)
         index = {seq.rid: i for i, seq in enumerate(seqs)}
         while len(finals) < len(seqs):
@@ -132,15 +133,19 @@ class Routes:
         return response
 
     def _reply(self, progress: Progress) -> dict[str, Any]:
-        reply = generate_reply(progress)
+        reply = generate_reply(progress, self.model.codec)
         if self.engine.args.skip_tokenizer_init:
             del reply["text"]
         return reply
 
     # health and info
     async def health(self, request: web.Request) -> web.Response:
-        """``/health`` and ``/ready``: 200 while the scheduler runs."""
+        """``/health``: 200 while the scheduler runs."""
         return web.Response(status=200 if self.scheduler.alive else 503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """``/ready``: 503 while paused, as SGLang."""
+        return web.Response(status=200 if self.scheduler.alive and self.scheduler.paused is None else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """Runs one real greedy token through the scheduler; 503 when it cannot run now."""
@@ -150,9 +155,9 @@ class Routes:
             raise Unavailable(f"memory is released: {sorted(self.scheduler.released)}")
         spec = SequenceSpec(
             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-            input_ids=(BOS_ID,),
+            input_ids=self.model.codec.health_ids,
             params=SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True),
-            weight_set=BASE_WEIGHT_SET,
+            lora=None,
             seed=0,
             return_logprob=False,
             return_text_in_logprobs=False,
@@ -169,125 +174,74 @@ class Routes:
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        base = self.store.get(BASE_WEIGHT_SET)
+        """SGLang's keys; ``model_path`` and ``served_model_name`` follow weight updates, as there."""
+        model = self.model
         return web.json_response({
-            "model_path": base.source,
-            "tokenizer_path": None,
-            "served_model_name": self.engine.args.model_name,
+            "model_path": model.source,
+            "served_model_name": model.served_name or self.engine.args.model_name,
+            "tokenizer_path": model.codec.path,
             "is_generation": True,
-            "weight_version": base.version,
-            "weight_versions": self.store.versions(),
-            "load_format": "safetensors",
-            "model_type": "tiny_lm",
-            "architectures": ["TinyLM"],
-            "config": base.config.to_dict(),
+            "preferred_sampling_params": None,
+            "weight_version": model.version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": model.model_type,
+            "architectures": model.architectures,
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
+        """The launch arguments at top level (``weight_version`` stays the launch one, as in SGLang) and
+        ``internal_states[0]``; this engine's scheduler figures are under ``internal_states[0].cpu_engine``
+        (SGLang reports no request counts here: loads are at ``/v1/loads``)."""
         state = await asyncio.wrap_future(self.scheduler.snapshot())
-        versions = self.store.versions()
-        state["weight_versions"] = versions
         args = self.engine.args.to_dict()
-        args.update(served_model_name=self.engine.args.model_name, weight_version=versions[BASE_WEIGHT_SET])
-        return web.json_response({**args, "version": ENGINE_VERSION, "internal_states": [state]})
+        args.update(served_model_name=self.engine.args.model_name)
+        internal = {**args, "world_size": 1, "last_gen_throughput": 0.0, "cpu_engine": state}
+        return web.json_response({**args, "version": ENGINE_VERSION, "internal_states": [internal]})
 
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        if await asyncio.wrap_future(self.scheduler.flush_cache()):
-            return web.Response(text="Cache flushed.\n")
-        return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
-
-    # weights
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        try:
-            body = await _body(request)
-            reject_unknown(
-                body,
-                {"model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests", "lora_name"},
-                "/update_weights_from_disk",
-            )
-            model_path = get_str(body, "model_path", None)
-            if not model_path:
-                raise BadRequest("model_path is required: a weights directory or a .safetensors file")
-            load_format = get_str(body, "load_format", None)
-            if load_format not in (None, "auto", "safetensors"):
-                raise BadRequest(f"load_format {load_format!r} is not supported; use 'safetensors' or leave it out")
-            get_bool(body, "flush_cache", True)  # no prefix cache here: nothing to flush
-            abort_all = get_bool(body, "abort_all_requests", False)
-            name = get_str(body, "lora_name", None) or BASE_WEIGHT_SET
-            version = get_version(body, "weight_version")
-            state, config = await asyncio.get_running_loop().run_in_executor(None, read_weights, model_path)
-            update = WeightUpdate(name, state, config, version, model_path)
-            carried = await asyncio.wrap_future(self.scheduler.update_weights(update, abort_all))
-        except EngineError as exc:
-            logger.warning("weight update rejected: %s", exc)
-            return web.json_response({"success": False, "message": str(exc)}, status=exc.status)
+    async def loads(self, request: web.Request) -> web.Response:
+        """``GET /v1/loads``: SGLang's load snapshot (one data-parallel rank)."""
+        raw_rank = request.query.get("dp_rank")
+        if raw_rank is not None and not raw_rank.lstrip("-").isdigit():
+            raise BadRequest(f"dp_rank must be an integer, got {raw_rank!r}")
+        dp_rank = None if raw_rank is None else int(raw_rank)
+        running, waiting = self.scheduler.counts
+        now = time.time()
+        snapshot = {
+            "timestamp": now, "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "num_total_tokens": 0, "num_active_tokens": 0,
+            "num_prealloc_ready_tokens": 0, "max_total_num_tokens": 0,
+            "max_running_requests": self.engine.args.max_batch_size, "token_usage": 0.0, "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0, "utilization": 0.0, "total_prefill_uncached_tokens": 0,
+            "total_prefill_busy_us": 0, "decode_moments": [],
+        }
         return web.json_response({
-            "success": True,
-            "message": f"Succeeded to update model weights of set {name!r} from {model_path}.",
-            "num_paused_requests": carried,
+            "timestamp": datetime.fromtimestamp(now, UTC).isoformat(), "version": ENGINE_VERSION,
+            "accelerator": None, "num_accelerators": 1,
+            "loads": [snapshot] if dp_rank in (None, 0) else [],
         })
 
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        try:
-            body = await _body(request)
-            reject_unknown(body, {"new_version", "abort_all_requests", "lora_name"}, "/update_weight_version")
-            version = get_version(body, "new_version")
-            if version is None:
-                raise BadRequest("new_version is required")
-            name = get_str(body, "lora_name", None) or BASE_WEIGHT_SET
-            self.store.get(name)
-            abort_all = get_bool(body, "abort_all_requests", True)
-            await asyncio.wrap_future(self.scheduler.set_version(name, version, abort_all))
-        except EngineError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=exc.status)
-        return web.json_response(
-            {"success": True, "message": f"Weight version of set {name!r} is now {version}.", "new_version": version}
-        )
-
-    # scheduling control
-    async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = parse_pause_mode(await _body(request))
-        count = await asyncio.wrap_future(self.scheduler.pause(mode))
-        return web.json_response({"message": f"Generation paused (mode {mode}, {count} in flight).", "status": "ok"})
-
-    async def continue_generation(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        reject_unknown(body, set(), "/continue_generation")
-        await asyncio.wrap_future(self.scheduler.unpause())
-        return web.json_response({"message": "Generation continued.", "status": "ok"})
-
-    async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        reject_unknown(body, {"rid", "abort_all", "finished_reason", "abort_message"}, "/abort_request")
-        rid = get_str(body, "rid", None) or None
-        abort_all = get_bool(body, "abort_all", False)
-        message = get_str(body, "abort_message", None) or "aborted by /abort_request"
-        if rid is None and not abort_all:
-            raise BadRequest("send a rid to abort, or abort_all: true")
-        await asyncio.wrap_future(self.scheduler.abort(None if abort_all else rid, message))
-        return web.Response(status=200)
-
-    async def release_memory(self, request: web.Request) -> web.Response:
-        return await self._memory(request, release=True)
-
-    async def resume_memory(self, request: web.Request) -> web.Response:
-        return await self._memory(request, release=False)
-
-    async def _memory(self, request: web.Request, release: bool) -> web.Response:
-        where = "/release_memory_occupation" if release else "/resume_memory_occupation"
-        try:
-            tags = parse_memory_tags(await _body(request), where)
-            action = self.scheduler.release_memory if release else self.scheduler.resume_memory
-            await asyncio.wrap_future(action(tags))
-        except EngineError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=exc.status)
-        verb = "Released" if release else "Resumed"
-        return web.json_response({"success": True, "message": f"{verb} memory: {list(tags)}."})
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: the served model and every loaded LoRA adapter (``root`` is its path)."""
+        name = self.engine.args.model_name
+        cards = [{"id": name, "object": "model", "owned_by": "rollout-bus", "root": name, "parent": None,
+                  "max_model_len": self.model.max_seq_len}]
+        cards += [{"id": adapter, "object": "model", "owned_by": "rollout-bus", "root": path, "parent": name,
+                   "max_model_len": None} for adapter, path in sorted(self.model.adapter_paths().items())]
+        return web.json_response({"object": "list", "data": cards})
 
 
 def build_app(engine: Engine) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=16 * 1024 * 1024)
+    middlewares = [error_middleware]
+    if engine.args.api_key:
+        middlewares.insert(0, api_key_middleware(engine.args.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=16 * 1024 * 1024)
     Routes(engine).add_to(app)
+    Control(engine).add_to(app)
 
     async def start(_: web.Application) -> None:
         engine.start()
@@ -298,10 +252,6 @@ def build_app(engine: Engine) -> web.Application:
     app.on_startup.append(start)
     app.on_shutdown.append(stop)
     return app
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    return parse_json(await request.read())
 
 
 def _sink(updates: asyncio.Queue[Progress]) -> Callable[[Progress], None]:

@@ -1,12 +1,17 @@
 """The scheduler: one thread that owns every sequence and runs the model, one step at a time.
 
-Each iteration runs the commands that arrived (submit, abort, pause, weight swaps, ...), admits
-waiting sequences up to ``max_batch_size``, then makes one step: per weight set, a prefill for
-sequences without a KV cache and a decode step for the rest. Commands only run between steps, so
-a weight swap is atomic with respect to decoding. During ``--token-delay-ms`` commands keep running.
+Each iteration runs the commands that arrived (submit, abort, pause, weight swaps, adapters, ...),
+admits waiting sequences up to ``max_batch_size``, then makes one step on the served model's
+decode batch: a decode step for the sequences already in it and a prefill for new ones, which then
+join it. Every row picks its adapter (or the base weights) in the same forward. Commands only run
+between steps, so a weight swap is atomic with respect to decoding. During ``--token-delay-ms``
+commands keep running.
 
 Paused (``in_place`` or ``retract``), or with ``weights``/``kv_cache`` released, the scheduler
-does not step: new sequences wait in the queue until ``continue``/``resume``.
+does not step: new sequences wait in the queue until ``continue``/``resume``. The checks SGLang's
+scheduler makes are answered here as clear refusals: releasing memory while sequences run, resuming
+a tag never released, and flushing the cache after a weight load while an ``in_place`` pause holds
+sequences (the weights are loaded, the reported version stays).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import queue
 import random
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,12 +33,14 @@ from rollout_bus.engine.errors import BadRequest, Unavailable
 from rollout_bus.engine.protocol import PauseMode
 from rollout_bus.engine.sampling import sample_next
 from rollout_bus.engine.sequence import Seq, abort_reason, finish_reason_after
-from rollout_bus.engine.weights import WeightSet, WeightStore, WeightUpdate
-from rollout_bus.lm.kv_cache import KVCache
-from rollout_bus.lm.model import pad_batch
+from rollout_bus.engine.served import ServedModel, WeightUpdate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+RELEASE_BUSY = "release_memory_occupation should be called only when server is idle."
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                 "queued. Retract or finish them, then call /flush_cache.")
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,15 @@ class SchedulerConfig:
     idle_poll_s: float = 0.5
 
 
+@dataclass(frozen=True)
+class UpdateOutcome:
+    carried: int
+    flushed: bool
+
+
 class Scheduler:
-    def __init__(self, store: WeightStore, config: SchedulerConfig) -> None:
-        self.store = store
+    def __init__(self, model: ServedModel, config: SchedulerConfig) -> None:
+        self.model = model
         self.config = config
         # set once
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
@@ -56,11 +69,15 @@ class Scheduler:
         self._waiting: deque[Seq] = deque()
         self._running: list[Seq] = []
         self._by_rid: dict[str, Seq] = {}
+        self._batch = model.new_batch()
+        self._unloading: dict[str, list[Future[None]]] = {}
+        self.unloading: frozenset[str] = frozenset()  # the names above, replaced whole (read by HTTP)
         # written by the scheduler thread, read anywhere
         self.paused: PauseMode | None = None
         self.released: frozenset[str] = frozenset()
         self.steps = 0
         self.flushes = 0
+        self.counts = (0, 0)  # running, waiting
         self._stopping = False
 
     # lifecycle
@@ -77,6 +94,10 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    def usable_adapters(self) -> frozenset[str]:
+        """Adapters a new request may name: loaded and not being unloaded."""
+        return frozenset(self.model.adapter_paths()) - self.unloading
+
     # thread-safe API: each call runs on the scheduler thread between steps
     def call(self, fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
@@ -90,8 +111,8 @@ class Scheduler:
         return self.call(lambda: self._submit(seqs))
 
     def abort(self, rid: str | None, message: str, exact: bool = False) -> Future[int]:
-        """Abort every sequence whose rid starts with ``rid`` (as SGLang does), only ``rid`` when
-        ``exact``, or all when ``rid`` is None; the result is how many were aborted."""
+        """Abort as SGLang does: every sequence when ``rid`` is None; else nothing unless ``rid`` is in
+        flight, then it and every rid that starts with it (only ``rid`` when ``exact``)."""
         return self.call(lambda: self._abort(self._matching(rid, exact), message))
 
     def pause(self, mode: PauseMode) -> Future[int]:
@@ -100,18 +121,25 @@ class Scheduler:
     def unpause(self) -> Future[None]:
         return self.call(self._unpause)
 
-    def update_weights(self, update: WeightUpdate, abort_all: bool) -> Future[int]:
-        """Swap in new weights between steps; the result is the number of sequences carried across."""
-        return self.call(lambda: self._update(update, abort_all))
+    def update_weights(self, update: WeightUpdate, abort_all: bool, flush_cache: bool) -> Future[UpdateOutcome]:
+        return self.call(lambda: self._update(update, abort_all, flush_cache))
 
-    def set_version(self, name: str, version: str, abort_all: bool) -> Future[None]:
-        return self.call(lambda: self._set_version(name, version, abort_all))
+    def set_version(self, version: str, abort_all: bool) -> Future[None]:
+        return self.call(lambda: self._set_version(version, abort_all))
 
     def release_memory(self, tags: tuple[str, ...]) -> Future[None]:
         return self.call(lambda: self._release(tags))
 
     def resume_memory(self, tags: tuple[str, ...]) -> Future[None]:
         return self.call(lambda: self._resume(tags))
+
+    def load_adapter(self, name: str, path: str) -> Future[None]:
+        return self.call(lambda: self._load_adapter(name, path))
+
+    def unload_adapter(self, name: str) -> Future[Future[None]]:
+        """The outer future resolves at once (accepted or refused); the inner one once the adapter is
+        gone, which waits for the sequences using it to finish (no new request may use it meanwhile)."""
+        return self.call(lambda: self._unload_adapter(name))
 
     def flush_cache(self) -> Future[bool]:
         return self.call(self._flush)
@@ -121,23 +149,30 @@ class Scheduler:
 
     # commands
     def _submit(self, seqs: list[Seq]) -> None:
+        usable = self.usable_adapters()
         for seq in seqs:
             if seq.rid in self._by_rid:
                 raise BadRequest(f"rid {seq.rid!r} is already in flight; use a unique rid per request")
+            if seq.spec.lora is not None and seq.spec.lora not in usable:
+                raise BadRequest(f"Got LoRA adapter that has never been loaded: {seq.spec.lora}\n"
+                                 f"All loaded adapters: {sorted(usable)}.")
         for seq in seqs:
             seed = seq.spec.seed if seq.spec.seed is not None else self._rng.getrandbits(63)
             seq.generator = torch.Generator().manual_seed(seed)
             if seq.params.max_new_tokens == 0:
                 seq.finish = {"type": "length", "length": 0}
-                seq.emit(self._version_of(seq))
+                seq.emit(self.model.version)
                 continue
             self._by_rid[seq.rid] = seq
             self._waiting.append(seq)
+        self._count()
 
     def _matching(self, rid: str | None, exact: bool = False) -> list[Seq]:
         seqs = [*self._running, *self._waiting]
         if rid is None:
             return seqs
+        if rid not in self._by_rid:
+            return []
         return [s for s in seqs if s.rid == rid or (not exact and s.rid.startswith(rid))]
 
     def _abort(self, seqs: list[Seq], message: str, status_code: int | None = None) -> int:
@@ -150,52 +185,106 @@ class Scheduler:
         if mode == "abort":
             self._abort(self._matching(None), "aborted by /pause_generation (mode abort)")
         elif mode == "retract":
-            for seq in reversed(self._running):
-                seq.cache = None
-                self._waiting.appendleft(seq)
-            self._running = []
+            self._retract()
         self.paused = mode
         logger.info("paused (mode %s) with %d sequence(s) in flight", mode, affected)
         return affected
+
+    def _retract(self) -> None:
+        for seq in reversed(self._running):
+            seq.in_batch = False
+            seq.retractions += 1
+            self._waiting.appendleft(seq)
+        self._running = []
+        self._batch.clear()
+        self._count()
 
     def _unpause(self) -> None:
         self.paused = None
         logger.info("continued")
 
-    def _update(self, update: WeightUpdate, abort_all: bool) -> int:
-        self.store.check(update)
+    def _busy(self) -> bool:
+        """Not idle as SGLang's scheduler sees it: sequences running, or waiting while not paused."""
+        return bool(self._running) or (bool(self._waiting) and self.paused is None)
+
+    def _update(self, update: WeightUpdate, abort_all: bool, flush_cache: bool) -> UpdateOutcome:
         if abort_all:
             self._abort(self._matching(None), "aborted by a weight update (abort_all_requests)")
-        self.store.put(update)
-        return len(self._running) + len(self._waiting)
+        # SGLang flushes after loading: refused while an in_place pause holds sequences. Unpaused, it
+        # waits for running requests first (here they carry on with the new weights and report spans).
+        flushed = not flush_cache or not (self.paused == "in_place" and self._busy())
+        if flushed:
+            self.model.apply_update(update)
+        else:
+            self.model.apply_update(update, announce=False)
+            logger.warning("weights loaded from %s, cache not flushed: the version stays %s", update.source,
+                           self.model.version)
+        return UpdateOutcome(len(self._running) + len(self._waiting), flushed)
 
-    def _set_version(self, name: str, version: str, abort_all: bool) -> None:
-        self.store.set_version(name, version)
+    def _set_version(self, version: str, abort_all: bool) -> None:
         if abort_all:
             self._abort(self._matching(None), "aborted by /update_weight_version (abort_all_requests)")
+        self.model.set_version(version)
 
     def _release(self, tags: tuple[str, ...]) -> None:
+        if self._busy():
+            raise BadRequest(f"{RELEASE_BUSY} {len(self._running)} running and {len(self._waiting)} waiting; "
+                             "pause generation (mode retract or abort) first")
         if "weights" in tags:
-            for ws in self.store.all():
-                ws.release()
+            self.model.release()
         if "kv_cache" in tags:
-            for seq in self._running:
-                seq.cache = None
+            self._retract()
         self.released = self.released | frozenset(tags)
         logger.info("released memory %s", sorted(tags))
 
     def _resume(self, tags: tuple[str, ...]) -> None:
+        never = [t for t in tags if t not in self.released]
+        if never:
+            raise BadRequest(f"cannot resume {never}: never released (released: {sorted(self.released)})")
         if "weights" in tags:
-            for ws in self.store.all():
-                ws.resume()
+            self.model.resume()
         self.released = self.released - frozenset(tags)
         logger.info("resumed memory %s", sorted(tags))
 
+    def _load_adapter(self, name: str, path: str) -> None:
+        if name in self.model.adapter_paths():
+            raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
+        self.model.attach_adapter(name, path)
+
+    def _unload_adapter(self, name: str) -> Future[None]:
+        if name not in self.model.adapter_paths():
+            raise BadRequest(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.model.adapter_paths())}")
+        done: Future[None] = Future()
+        self._unloading.setdefault(name, []).append(done)
+        self.unloading = frozenset(self._unloading)
+        self._finish_unloads()
+        return done
+
+    def _finish_unloads(self) -> None:
+        if not self._unloading:
+            return
+        in_use = {s.spec.lora for s in (*self._running, *self._waiting)}
+        for name in [n for n in self._unloading if n not in in_use]:
+            waiters = self._unloading.pop(name)
+            self.unloading = frozenset(self._unloading)
+            try:
+                self.model.detach_adapter(name)
+            except Exception as exc:
+                logger.exception("unloading adapter %s failed", name)
+                for w in waiters:
+                    w.set_exception(exc)
+            else:
+                for w in waiters:
+                    w.set_result(None)
+
     def _flush(self) -> bool:
-        if self._running or self._waiting:
+        if self._busy():
             return False
         self.flushes += 1
         return True
+
+    def _count(self) -> None:
+        self.counts = (len(self._running), len(self._waiting))
 
     def _snapshot(self) -> dict[str, Any]:
         return {
@@ -206,14 +295,17 @@ class Scheduler:
             "memory_released": sorted(self.released),
             "steps": self.steps,
             "flushes": self.flushes,
-            "weight_bytes": {ws.name: ws.live_bytes() for ws in self.store.all()},
-            "kv_cache_bytes": sum(s.cache.nbytes() for s in self._running if s.cache is not None),
+            "weight_bytes": self.model.live_bytes(),
+            "kv_cache_bytes": self._batch.nbytes(),
+            "adapters": sorted(self.model.adapter_paths()),
+            "unloading": sorted(self.unloading),
         }
 
     # the loop
     def _loop(self) -> None:
         logger.info("scheduler started")
         while not self._stopping:
+            self._finish_unloads()  # right after a step, in which the last user of an adapter may have ended
             self._run_commands(wait_s=0.0 if self._can_step() else self.config.idle_poll_s)
             if self._stopping or not self._can_step():
                 continue
@@ -221,10 +313,14 @@ class Scheduler:
                 self._step()
             except Exception as exc:
                 logger.exception("step failed; aborting the running sequences")
+                self._batch.clear()
                 self._abort(list(self._running), f"engine error: {exc}", status_code=500)
             if self.config.token_delay_ms > 0:
                 self._run_commands_until(time.monotonic() + self.config.token_delay_ms / 1000)
         self._abort(self._matching(None), "the engine is shutting down", status_code=503)
+        for waiters in self._unloading.values():
+            for waiter in waiters:
+                waiter.set_exception(Unavailable("the engine is shutting down"))
         self._fail_pending_commands()
         logger.info("scheduler stopped")
 
@@ -267,56 +363,57 @@ class Scheduler:
             if future.set_running_or_notify_cancel():
                 future.set_exception(Unavailable("the engine is shutting down"))
 
-    def _step(self) -> None:
+    def _admit(self) -> None:
+        adapters = {s.spec.lora for s in self._running if s.spec.lora is not None}
+        skipped: list[Seq] = []
         while self._waiting and len(self._running) < self.config.max_batch_size:
-            self._running.append(self._waiting.popleft())
-        by_set: dict[str, list[Seq]] = defaultdict(list)
-        for seq in self._running:
-            by_set[seq.spec.weight_set].append(seq)
+            seq = self._waiting.popleft()
+            lora = seq.spec.lora
+            if lora is not None and lora not in adapters and len(adapters) >= self.model.lora.max_per_batch:
+                skipped.append(seq)  # --max-loras-per-batch: waits for a batch with room for its adapter
+                continue
+            if lora is not None:
+                adapters.add(lora)
+            self._running.append(seq)
+        self._waiting.extendleft(reversed(skipped))
+
+    def _step(self) -> None:
+        self._admit()
+        warm = [s for s in self._running if s.in_batch]
+        fresh = [s for s in self._running if not s.in_batch]
+        self._batch.keep(warm)
         with torch.inference_mode():
-            for name, seqs in by_set.items():
-                ws = self.store.get(name)
-                fresh = [s for s in seqs if s.cache is None]
-                warm = [s for s in seqs if s.cache is not None]
-                if fresh:
-                    self._prefill(ws, fresh)
-                if warm:
-                    self._decode(ws, warm)
+            if self._batch.rows:
+                rows = list(self._batch.rows)
+                self._advance(rows, self._batch.decode())
+            if fresh:
+                logits = self._batch.prefill(fresh)
+                for seq in fresh:
+                    seq.in_batch = True
+                self._advance(fresh, logits)
         self.steps += 1
+        self._count()
 
-    def _prefill(self, ws: WeightSet, seqs: list[Seq]) -> None:
-        ids, mask = pad_batch([s.tokens() for s in seqs], side="left", device=self.store.device)
-        logits, cache = ws.model.prefill(ids, mask)
-        self._advance(ws, seqs, logits[:, -1], cache.split())
-
-    def _decode(self, ws: WeightSet, seqs: list[Seq]) -> None:
-        cache = KVCache.stack([s.cache for s in seqs if s.cache is not None])
-        last = torch.tensor([s.output_ids[-1] for s in seqs], device=self.store.device)
-        logits, cache = ws.model.decode_step(last, cache)
-        self._advance(ws, seqs, logits, cache.split())
-
-    def _advance(self, ws: WeightSet, seqs: list[Seq], logits: torch.Tensor, caches: list[KVCache]) -> None:
+    def _advance(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         generators = [s.generator for s in seqs if s.generator is not None]
         tokens, logprobs = sample_next(logits, [s.params for s in seqs], generators)
-        for seq, cache, token, logprob in zip(seqs, caches, tokens, logprobs, strict=True):
-            seq.cache = cache
-            seq.append(token, logprob, ws.version)
-            finish = finish_reason_after(seq)
+        version = self.model.version
+        codec = self.model.codec
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.append(token, logprob, version)
+            finish = finish_reason_after(seq, codec)
             if finish is not None:
                 self._finish(seq, finish)
             elif seq.stream:
-                seq.emit(ws.version)
+                seq.emit(version)
 
     def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:
         seq.finish = finish
-        seq.cache = None
+        seq.in_batch = False
         self._by_rid.pop(seq.rid, None)
         if seq in self._running:
             self._running.remove(seq)
         else:
             self._waiting.remove(seq)
-        seq.emit(self._version_of(seq))
-
-    def _version_of(self, seq: Seq) -> str:
-        ws = self.store.find(seq.spec.weight_set)
-        return ws.version if ws is not None else "unknown"
+        seq.emit(self.model.version)
+        self._count()

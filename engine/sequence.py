@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 
+from rollout_bus.engine.codec import Codec
 from rollout_bus.engine.protocol import SamplingParams, SequenceSpec
-from rollout_bus.lm.kv_cache import KVCache
-from rollout_bus.lm.tokenizer import EOS_ID, decode
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +29,7 @@ class Progress:
     finish: FinishReason | None
     weight_version: str
     e2e_latency: float
+    retractions: int = 0
 
 
 Sink = Callable[[Progress], None]
@@ -45,7 +45,8 @@ class Seq:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
-    cache: KVCache | None = None  # covers tokens()[:-1] once decoding started; None means prefill next
+    retractions: int = 0
+    in_batch: bool = False  # the decode batch caches tokens()[:-1]; False means prefill next
     finish: FinishReason | None = None
 
     @property
@@ -73,6 +74,7 @@ class Seq:
             finish=self.finish,
             weight_version=weight_version,
             e2e_latency=time.monotonic() - self.arrival_s,
+            retractions=self.retractions,
         )
         try:
             self.sink(progress)
@@ -80,16 +82,16 @@ class Seq:
             logger.exception("could not deliver progress of %s", self.rid)
 
 
-def finish_reason_after(seq: Seq) -> FinishReason | None:
+def finish_reason_after(seq: Seq, codec: Codec) -> FinishReason | None:
     """Why ``seq`` stops after its latest token, or None to go on."""
     token = seq.output_ids[-1]
     params = seq.params
-    if token == EOS_ID and not params.ignore_eos:
+    if token in codec.eos_ids and not params.ignore_eos:
         return {"type": "stop", "matched": token}
     if token in params.stop_token_ids:
         return {"type": "stop", "matched": token}
     if params.stop:
-        text = decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
+        text = codec.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
         for stop in params.stop:
             if text.endswith(stop):
                 return {"type": "stop", "matched": stop}

@@ -20,10 +20,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rollout_bus.engine.errors import EngineError
     from rollout_bus.engine.routes import build_app
     from rollout_bus.engine.runtime import Engine
+    from rollout_bus.lm.files import WeightsError
 
     try:
         engine = Engine(args)
-    except (EngineError, OSError, ValueError) as exc:
+    except (EngineError, WeightsError, OSError, ValueError) as exc:
         logging.getLogger("rollout_bus.engine.server").error("cannot start: %s", exc)
         return 2
     web.run_app(

@@ -24,6 +24,24 @@ from rollout_bus.events.names import Keys
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
+ADAPTER_SEPARATOR = "@v"
+
+
+def adapter_name(policy: str, version: int) -> str:
+    """The LoRA adapter name an engine serves ``policy`` at ``version`` under: ``<policy>@v<version>``.
+
+    SGLang keeps no version per adapter, so the name carries it: a new version is loaded under a new
+    name (then the old one unloaded), and a generate call's version is read from the name it used."""
+    return f"{policy}{ADAPTER_SEPARATOR}{version}"
+
+
+def parse_adapter_name(name: str) -> tuple[str, int] | None:
+    """``(policy, version)`` of an adapter name made by ``adapter_name``; None for any other name."""
+    policy, sep, version = name.rpartition(ADAPTER_SEPARATOR)
+    if not sep or not policy or not version.isdigit():
+        return None
+    return policy, int(version)
+
 
 class EngineState(enum.StrEnum):
     LAUNCHING = "launching"
@@ -43,6 +61,9 @@ class EngineRecord:
     backend: str = "cpu"
     managed: bool = True
     versions: dict[str, int] = field(default_factory=dict)
+    """Version of every policy the engine serves: its base policy's weights and its adapters."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Adapter policies: policy -> the LoRA adapter name to send as ``lora_path``."""
     updating: dict[str, int] = field(default_factory=dict)
     pause_mode: str = "retract"
     base_policy: str = "default"
@@ -52,11 +73,13 @@ class EngineRecord:
     updated_ms: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
 
     def serves(self, policy: str) -> bool:
-        return self.state == EngineState.SERVING and policy in self.versions
+        return (self.state == EngineState.SERVING and policy in self.versions
+                and (policy == self.base_policy or policy in self.adapters))
 
     def lora_path(self, policy: str) -> str | None:
-        """The engine weight set that serves ``policy``: the base weights, or the set named after it."""
-        return None if policy == self.base_policy else policy
+        """What a generate call for ``policy`` sends as ``lora_path``: None for the engine's base policy,
+        else the name of the adapter that serves it."""
+        return None if policy == self.base_policy else self.adapters.get(policy)
 
     def pack(self) -> bytes:
         data = dataclasses.asdict(self)

@@ -6,29 +6,36 @@ registry reports plus this executor's own calls in flight there. Engines whose w
 are being updated for the policy (``updating``) are used only when no other engine
 serves it; an engine that failed a call is left alone for ``cooldown_s``.
 
-``EngineCaller.generate`` is one logical generate call: it retries on another engine
-after a connection error, timeout or 5xx; after an ``abort`` finish (a pause in abort
+``EngineCaller.generate`` is one logical generate call. A policy that is not an engine's
+base policy is a LoRA adapter: the call names it with ``lora_path`` (the adapter name the
+registry gives, ``<policy>@v<version>``), and the version of the tokens it makes is the one
+in that name (SGLang reports only the base weights' version). It retries on another engine
+after a connection error, timeout, 5xx, or a 400 for an adapter the engine no longer has
+(a stale registry snapshot after an adapter swap); after an ``abort`` finish (a pause in abort
 mode during a weight update) it continues the partial response from its tokens (miles'
 partial rollout) or, with ``partial_rollout`` off, starts the response again. With pause
 modes ``in_place`` and ``retract`` the engine holds requests in flight, so the call
-simply waits.
+simply waits. ``$ROLLOUT_BUS_ENGINE_API_KEY`` is sent as a bearer token to every engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_bus.engine.http_client import EngineClient, EngineHTTPError, parse_version
-from rollout_bus.events.registry import EngineRecord, Registry
+from rollout_bus.events.registry import EngineRecord, Registry, parse_adapter_name
 from rollout_bus.executor.errors import EngineRejected, EnginesFailed, NoServingEngine
 from rollout_bus.executor.sample import Generation
+
+ENGINE_API_KEY_ENV = "ROLLOUT_BUS_ENGINE_API_KEY"
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,8 @@ class RouterConfig:
     """Failed engine calls one logical generate call may take before the request is retried by rq."""
     max_aborts: int = 16
     partial_rollout: bool = True
+    api_key: str | None = field(default_factory=lambda: os.environ.get(ENGINE_API_KEY_ENV) or None)
+    """SGLang's ``--api-key`` of the engines, sent as a bearer token."""
 
 
 class EngineTime:
@@ -135,7 +144,8 @@ class EngineRouter:
     def client(self, record: EngineRecord) -> EngineClient:
         client = self._clients.get(record.url)
         if client is None:
-            client = self._clients[record.url] = EngineClient(record.url, timeout_s=self.config.call_timeout_s)
+            client = self._clients[record.url] = EngineClient(record.url, timeout_s=self.config.call_timeout_s,
+                                                              api_key=self.config.api_key)
         return client
 
 
@@ -162,13 +172,19 @@ class EngineCaller:
             if deadline is not None:
                 # a little past the deadline, so that the request's own deadline fires first
                 timeout = max(min(timeout, deadline - time.monotonic() + 1.0), 0.001)
+            lora_path = record.lora_path(policy)
             try:
                 with timer.call():
                     reply = await self.router.client(record).generate(
                         [*input_ids, *out_ids], params, return_logprob=True, rid=f"{rid}.{calls}",
-                        lora_path=record.lora_path(policy), timeout_s=timeout)
+                        lora_path=lora_path, timeout_s=timeout)
                 ids, lps, finish, seen = parse_reply(reply)
             except EngineHTTPError as exc:
+                if lora_path is not None and exc.unknown_adapter and failovers < self.config.max_failovers:
+                    failovers += 1  # an adapter swapped since the snapshot: read the registry again
+                    self.router.refresh_soon()
+                    await asyncio.sleep(min(0.05 * failovers, 0.5))
+                    continue
                 if exc.rejected:
                     raise EngineRejected(f"engine {record.engine_id} rejected a generate call: {exc}") from None
                 failovers = self._failed_over(record, rid, failovers, exc, avoid)
@@ -179,6 +195,9 @@ class EngineCaller:
             finally:
                 self.router.release(record.engine_id)
                 calls += 1
+            adapter = parse_adapter_name(lora_path) if lora_path is not None else None
+            if adapter is not None:
+                seen = {adapter[1]}  # the engine reports its base version; the adapter's is in its name
             if record.engine_id not in engines:
                 engines.append(record.engine_id)
             if finish == "abort":

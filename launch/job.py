@@ -70,6 +70,8 @@ def run_job(config: RunConfig) -> RunResult:
             *ROLE, "controller", "--redis-url", url, "--namespace", namespace,
             "--num-engines", str(config.engines), "--model-path", str(init), "--weights-root", str(weights_root),
             "--base-policy", policies[0], "--seed", str(config.seed), "--log-dir", str(out / "logs"),
+            # every further trainer trains full weights: its policy gets an engine pool of its own
+            *(arg for p in policies[1:] for arg in ("--pool", f"{p}={config.engines}")),
             "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
             *_metrics_args(ports, "controller")])

@@ -37,6 +37,30 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     @classmethod
+    def empty(cls) -> KVCache:
+        """A cache with no layers yet: ``TinyLM.forward(..., cache=KVCache.empty())`` fills it."""
+        return cls([], [], torch.zeros(0, 0, dtype=torch.bool))
+
+    @property
+    def filled(self) -> bool:
+        return bool(self.keys)
+
+    def assign(self, other: KVCache) -> None:
+        """Take ``other``'s contents (caches are grown in place by ``TinyLM.forward``)."""
+        self.keys, self.values, self.mask = other.keys, other.values, other.mask
+
+    def select(self, rows: Tensor) -> KVCache:
+        """The given rows (a 1-D index tensor), with slots that are padding in every row dropped."""
+        mask = self.mask.index_select(0, rows)
+        used = mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else mask.shape[1]
+        return KVCache(
+            keys=[k.index_select(0, rows)[:, :, start:] for k in self.keys],
+            values=[v.index_select(0, rows)[:, :, start:] for v in self.values],
+            mask=mask[:, start:],
+        )
+
+    @classmethod
     def stack(cls, caches: Sequence[KVCache]) -> KVCache:
         """One batch from several caches, each left-padded to the longest."""
         if not caches:

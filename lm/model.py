@@ -110,9 +110,15 @@ class TinyLM(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Logits ``[batch, seq, vocab]``; ``attention_mask`` is 1 for real tokens, 0 for padding."""
-        logits, _ = self.extend(input_ids, attention_mask)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """Logits ``[batch, seq, vocab]``; ``attention_mask`` is 1 for real tokens, 0 for padding.
+
+        With ``cache`` (possibly ``KVCache.empty()``) the tokens run after those already cached and the
+        cache grows in place, as a Hugging Face ``DynamicCache`` does (so ``peft`` wrappers pass it on).
+        """
+        logits, grown = self.extend(input_ids, attention_mask, cache if cache is not None and cache.filled else None)
+        if cache is not None:
+            cache.assign(grown)
         return logits
 
     def extend(

@@ -39,10 +39,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def call(url: str, method: str = "GET", body: Any = None, timeout_s: float = 30.0, raw: bytes | None = None) -> tuple[int, Any]:
+def call(url: str, method: str = "GET", body: Any = None, timeout_s: float = 30.0, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """One HTTP call; the status and the JSON-decoded body (text if not JSON, None if empty)."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             status, payload = response.status, response.read()
@@ -167,11 +169,12 @@ class EngineProcess:
         return call(self.url + path, "POST", body if body is not None else {}, timeout_s=timeout_s)
 
     def state(self) -> dict[str, Any]:
-        """``internal_states[0]`` of /server_info: running and queued counts, pause mode, released tags."""
+        """The scheduler's figures (``internal_states[0].cpu_engine`` of /server_info): running and queued
+        counts, pause mode, released tags, steps, adapters."""
         status, info = self.get("/server_info")
         if status != 200:
             raise RuntimeError(f"/server_info answered {status}: {info}")
-        return dict(info["internal_states"][0])
+        return dict(info["internal_states"][0]["cpu_engine"])
 
     def __enter__(self) -> EngineProcess:
         return self

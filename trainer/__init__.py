@@ -5,8 +5,8 @@ the modules:
 
 - ``trainer.client.RolloutClient``: request rollouts, ``get(rollout_id)`` / ``next()`` their
   batches (consumer group per trainer, stable consumer name), ``ack`` after the step;
-- ``trainer.weights.WeightPublisher``: versioned safetensors, sha256, ``WeightsPublished``,
-  ``wait_serving``;
+- ``trainer.weights.WeightPublisher``: version directories (tiny LM, Hugging Face, sharded, or a
+  PEFT adapter) with their manifest, ``WeightsPublished``, ``wait_serving``;
 - ``trainer.checkpoint.CheckpointStore`` / ``TrainerState``: atomic checkpoints with the
   trained batch ids;
 - ``trainer.staleness.split_stale``, ``trainer.requeue.stale_items``, ``trainer.shards.shard``;

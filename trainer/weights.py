@@ -1,11 +1,16 @@
-"""Publishing new weights: a versioned safetensors file, its sha256, ``WeightsPublished``.
+"""Publishing new weights: a version directory with its manifest, then ``WeightsPublished``.
 
-The file goes to ``<weights_root>/<policy>/v<version>/model.safetensors`` (with its
-``config.json``), written atomically by ``lm.model.save_weights``. The event's
-idempotency key is ``weights.<policy>.<version>``, so publishing a version again after
-a restart never adds a second event. ``wait_serving`` then waits until the controller
-announces ``WeightVersionServing`` for that version or a newer one (or the registry
-says so), up to a timeout.
+A version is ``<weights_root>/<policy>/v<version:06d>/`` in the format of ``lm.files``: the
+tiny LM's ``config.json`` + ``model.safetensors``; a Hugging Face model's ``save_pretrained``
+output (sharded with an index past ``max_shard_size``, the tokenizer beside it when given); or
+a ``PeftModel``'s LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``: the
+controller serves that policy as an adapter on the base pool). ``manifest.json`` lists every
+file's size and sha256; the event's ``sha256`` is the manifest's. The directory is written
+under a temporary name and renamed, so a partial version is never visible. The event's
+idempotency key is ``weights.<policy>.<version>``, so publishing a version again after a
+restart never adds a second event. ``wait_serving`` then waits until the controller
+announces ``WeightVersionServing`` for that version or a newer one (or the registry says
+so), up to a timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,7 +36,8 @@ from rollout_bus.events.schema import (
     WeightVersionServing,
     decode,
 )
-from rollout_bus.lm.files import sha256_file
+from rollout_bus.lm.files import read_manifest, write_weights_dir
+from rollout_bus.lm.hf import save_pretrained
 from rollout_bus.lm.model import TinyLM, save_weights
 
 log = logging.getLogger(__name__)
@@ -78,28 +85,37 @@ class WeightPublisher:
         self._published = [v for v in found if v <= current]
         self._prune()
 
-    def save(self, model: TinyLM, version: int) -> tuple[Path, str]:
-        """Write version ``version`` and return its directory and the sha256 of its weights file."""
+    def save(self, model: Any, version: int, *, tokenizer: Any = None,
+             max_shard_size: str | int | None = None) -> tuple[Path, str]:
+        """Write version ``version`` of ``model`` (a ``TinyLM``, a Hugging Face model, or a ``PeftModel``
+        whose adapter is written); return its directory and the sha256 of its manifest."""
+        if isinstance(model, TinyLM):
+            return self.save_dir(version, lambda tmp: save_weights(model, tmp))
+        return self.save_dir(version, lambda tmp: save_pretrained(tmp, model, tokenizer, max_shard_size=max_shard_size))
+
+    def save_dir(self, version: int, fill: Callable[[Path], object]) -> tuple[Path, str]:
+        """Write version ``version`` with ``fill(tmp)`` (any layout of ``lm.files``), atomically, with its
+        manifest; return the directory and the manifest's sha256. Saving a version again replaces it."""
         directory = version_dir(self.root, self.policy, version)
-        path = save_weights(model, directory)
-        digest = sha256_file(path)
+        digest = write_weights_dir(directory, fill, replace=True)
         self._saved = (version, digest)
         return directory, digest
 
-    def publish(self, model: TinyLM | None, version: int) -> Published:
-        """Save (unless ``model`` is None: the file is already there) and announce ``version``.
+    def publish(self, model: Any | None, version: int, *, tokenizer: Any = None,
+                max_shard_size: str | int | None = None) -> Published:
+        """Save (unless ``model`` is None: the directory is already there) and announce ``version``.
 
         With ``model`` None the sha256 is the one ``save`` computed for ``version`` in this
-        process, else (after a restart) it is computed from the file.
+        process, else (after a restart) it is read from the directory's manifest.
         """
         started = time.perf_counter()
         directory = version_dir(self.root, self.policy, version)
         if model is not None:
-            directory, digest = self.save(model, version)
+            directory, digest = self.save(model, version, tokenizer=tokenizer, max_shard_size=max_shard_size)
         elif self._saved is not None and self._saved[0] == version:
             digest = self._saved[1]
         else:
-            digest = sha256_file(directory / "model.safetensors")
+            digest = read_manifest(directory)[1]
         save_ms = (time.perf_counter() - started) * 1000
         uri = str(directory.resolve())
         event = WeightsPublished(producer=self.publisher.producer, policy=self.policy, version=version,

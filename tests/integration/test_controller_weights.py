@@ -1,7 +1,11 @@
-"""Weight updates on three real CPU engines: each pause mode with requests in flight, and bad weights.
+"""Weight updates on three real CPU engines (the tiny LM): each pause mode with requests in flight, bad
+weights, adapter policies, offload and onload with requests in flight, loads, and adoption.
 
 The engines are started once for the module and adopted by a fresh controller in each
 test (its own namespace); versions grow across the module since the engines keep theirs.
+The CPU engines answer what SGLang answers on each point these tests touch (an in_place pause
+refuses the cache flush, release needs an idle engine, resume needs a released tag, loads are at
+/v1/loads, /model_info has no per-adapter versions).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from rollout_bus.events.schema import (
     WeightUpdateFailed,
     WeightVersionServing,
 )
-from tests.engine_proc import EngineProcess, make_weights_dir
+from rollout_bus.lm.files import read_manifest
+from tests.engine_proc import EngineProcess, make_weights_dir, wait_until
 from tests.support.controller_driver import (
     find,
     publish_weights,
@@ -45,6 +50,7 @@ from tests.support.controller_driver import (
     wait_until_async,
     write_version,
 )
+from tests.support.models import tiny_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +66,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(root: Path) -> Iterator[list[EngineProcess]]:
-    procs = [EngineProcess(root / "base", token_delay_ms=15) for _ in range(3)]
+    procs = [EngineProcess(root / "base", token_delay_ms=15, extra_args=["--enable-lora"]) for _ in range(3)]
     yield procs
     for proc in procs:  # signal all first, then wait: they shut down in parallel
         if proc.proc is not None and proc.proc.poll() is None:
@@ -161,7 +167,7 @@ def test_bad_weights_are_refused_and_engines_keep_serving_the_old_version(
     asyncio.run(scenario())
     events = read_events(redis_client, keys.weight_stream)
     failures = find(events, WeightUpdateFailed, version=version)
-    keyword = {"checksum mismatch": "checksum mismatch", "missing file": "missing", "wrong shapes": "wrong shapes",
+    keyword = {"checksum mismatch": "manifest mismatch", "missing file": "missing", "wrong shapes": "wrong shapes",
                "outside the root": "outside the weights root",
                "wrong shapes caught by the engines": "engine refused the weights"}[case]
     records = Registry(redis_client, keys).engines()
@@ -250,3 +256,138 @@ def test_an_adopted_engine_that_dies_leaves_serving_and_comes_back_with_the_late
     assert types[-3:] == [EngineUnhealthy, EngineReady, EngineServing]
     assert own_events()[-1].versions == {"default": version}
     assert victim.get("/model_info")[1]["weight_version"] == str(version)
+
+
+def test_an_adapter_policy_is_loaded_beside_the_base_and_full_weights_without_a_pool_never_touch_it(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        engines: list[EngineProcess]) -> None:
+    """SGLang drops ``lora_name`` from /update_weights_from_disk and overwrites the base model; a policy
+    that is not the base is an adapter (loaded under ``<policy>@v<version>``), and full weights for it
+    with no pool of its own are refused."""
+    version = next(_versions)
+    adapter_dir = tiny_adapter(root / f"math-v{version}", seed=version)
+    sha = read_manifest(adapter_dir)[1]
+    full_dir, full_sha = write_version(root / "base", root / f"v{version}", seed=version)
+    base_before = {e.url: e.get("/model_info")[1] for e in engines}
+
+    async def scenario() -> list[Any]:
+        ctl = await started(config(keys, redis_server, root, engines, enable_lora=True), redis_client)
+        try:
+            publish_weights(redis_client, keys, "math", version, str(full_dir), full_sha)
+            await wait_until_async("the refusal", lambda: find(
+                read_events(redis_client, keys.weight_stream), WeightUpdateFailed, policy="math"), 10)
+            publish_weights(redis_client, keys, "math", version + 1, str(adapter_dir), sha)
+            await wait_until_async("math served", lambda: find(
+                read_events(redis_client, keys.weight_stream), WeightVersionServing, policy="math"), 15)
+            record = next(iter(Registry(redis_client, keys).engines().values()))
+            client = EngineClient(record.url)
+            params = {"max_new_tokens": 4, "temperature": 0.0}
+            return [await client.generate([1, 5, 6], params, lora_path=record.lora_path("math")),
+                    await client.generate([1, 5, 6], params)]
+        finally:
+            await ctl.stop()
+
+    try:
+        with_adapter, base = asyncio.run(scenario())
+        events = read_events(redis_client, keys.weight_stream)
+        refused = find(events, WeightUpdateFailed, policy="math", version=version)
+        assert len(refused) == 3 and all("no engine pool runs it as its base" in e.reason  # type: ignore[attr-defined]
+                                         for e in refused)
+        assert with_adapter["output_ids"] != base["output_ids"]
+        for record in Registry(redis_client, keys).engines().values():
+            assert record.adapters == {"math": f"math@v{version + 1}"}
+            assert record.versions["math"] == version + 1
+        for engine in engines:
+            info = engine.get("/model_info")[1]
+            assert (info["weight_version"], info["model_path"]) == (base_before[engine.url]["weight_version"],
+                                                                    base_before[engine.url]["model_path"])
+            assert engine.state()["adapters"] == [f"math@v{version + 1}"]
+    finally:
+        for engine in engines:
+            engine.post("/unload_lora_adapter", {"lora_name": f"math@v{version + 1}"})
+
+
+def test_a_new_controller_reads_adapter_versions_from_the_engines_and_pushes_nothing_again(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        engines: list[EngineProcess]) -> None:
+    """/model_info carries no adapter versions; the adapter names /v1/models lists carry them."""
+    version = next(_versions)
+    adapter_dir = tiny_adapter(root / f"code-v{version}", seed=version)
+    for engine in engines:
+        assert engine.post("/load_lora_adapter", {"lora_name": f"code@v{version}", "lora_path": str(adapter_dir)})[0] == 200
+        assert engine.post("/load_lora_adapter", {"lora_name": f"code@v{version - 1}", "lora_path": str(adapter_dir)})[0] == 200
+    base = {e.url: e.get("/model_info")[1]["weight_version"] for e in engines}
+
+    async def scenario() -> None:
+        ctl = await started(config(keys, redis_server, root, engines, enable_lora=True), redis_client)
+        try:
+            await asyncio.sleep(0.5)
+        finally:
+            await ctl.stop()
+
+    try:
+        asyncio.run(scenario())
+        for record in Registry(redis_client, keys).engines().values():
+            assert record.versions == {"default": int(base[record.url]), "code": version}
+            assert record.lora_path("code") == f"code@v{version}"
+        assert not find(read_events(redis_client, keys.weight_stream), WeightsApplied)
+        for engine in engines:  # the stale name of the same policy was unloaded, the current one kept
+            assert engine.state()["adapters"] == [f"code@v{version}"]
+            assert engine.get("/model_info")[1]["weight_version"] == base[engine.url]
+    finally:
+        for engine in engines:
+            engine.post("/unload_lora_adapter", {"lora_name": f"code@v{version}"})
+
+
+def test_offloading_an_engine_with_requests_in_flight_pauses_it_first_and_onload_only_resumes_released_tags(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        engines: list[EngineProcess]) -> None:
+    """SGLang asserts its scheduler is idle on release (the server dies otherwise) and raises on resuming a
+    tag it never released: the controller takes the engine out of serving, pauses it (abort), then
+    releases; and refuses to resume what was not released."""
+    victim = engines[1]
+
+    async def scenario() -> tuple[list[Any], dict[str, str], dict[str, str]]:
+        ctl = await started(config(keys, redis_server, root, engines), redis_client)
+        try:
+            params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+            requests = [asyncio.create_task(EngineClient(victim.url).generate([1, 2, 3], params)) for _ in range(2)]
+            await asyncio.to_thread(wait_until, "both running", lambda: victim.state()["running"] == 2)
+            offloaded = await ctl.offload(["kv_cache"], [adopted(victim)])
+            replies = list(await asyncio.wait_for(asyncio.gather(*requests), 10))
+            onloaded = await ctl.onload(["weights"], [adopted(victim)])
+            assert victim.state()["memory_released"] == ["kv_cache"]
+            assert await ctl.onload(["kv_cache"], [adopted(victim)]) == {adopted(victim): "ok"}
+            return replies, offloaded, onloaded
+        finally:
+            await ctl.stop()
+
+    replies, offloaded, onloaded = asyncio.run(scenario())
+    assert offloaded == {adopted(victim): "ok"}
+    assert [r["meta_info"]["finish_reason"]["type"] for r in replies] == ["abort", "abort"]
+    assert onloaded[adopted(victim)].startswith("refused: ['weights'] not offloaded") and "nothing was sent" in onloaded[adopted(victim)]
+    assert victim.state()["memory_released"] == [] and victim.state()["paused"] is False
+    assert victim.get("/health_generate")[0] == 200
+    types = [type(e) for e in read_events(redis_client, keys.engine_stream)
+             if getattr(e, "engine_id", None) == adopted(victim)]
+    assert types[-3:] == [EngineOffloaded, EngineOnloaded, EngineServing]
+
+
+def test_engine_loads_come_from_v1_loads(keys: Keys, redis_server: RedisServer, redis_client: redis.Redis,
+                                        root: Path, engines: list[EngineProcess]) -> None:
+    """SGLang's /server_info carries no request counts; the registry load comes from /v1/loads."""
+    async def scenario() -> int:
+        ctl = await started(config(keys, redis_server, root, engines, health_interval_s=0.2), redis_client)
+        try:
+            params = {"max_new_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+            requests = [asyncio.create_task(EngineClient(engines[0].url).generate([1, 2, 3], params))
+                        for _ in range(3)]
+            registry = Registry(redis_client, keys)
+            await wait_until_async("a load of 3", lambda: registry.engines()[adopted(engines[0])].load == 3, 10)
+            await asyncio.gather(*requests)
+            await wait_until_async("the load back to 0", lambda: registry.engines()[adopted(engines[0])].load == 0, 10)
+            return registry.engines()[adopted(engines[1])].load
+        finally:
+            await ctl.stop()
+
+    assert asyncio.run(scenario()) == 0

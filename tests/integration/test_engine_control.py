@@ -1,7 +1,8 @@
-"""Controlling a running CPU engine over real HTTP: weight updates, pause modes, aborts, memory release.
+"""Controlling a running CPU engine over real HTTP: weight updates, pause modes, aborts, memory release,
+adapters, and the checks SGLang's scheduler makes (answered here as clear 400s instead of a crash).
 
 One engine with a per-step delay serves the module, so requests stay in flight long enough to act on
-them. Each test that changes weights works on a weight set of its own and leaves the engine running.
+them. Each test that changes weights starts from the seed-0 weights at version "a" (``base``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_bus.lm.model import ModelConfig, TinyLM, load_model, token_logprobs
+from rollout_bus.lm.model import ModelConfig, TinyLM, load_model, save_weights, token_logprobs
 from rollout_bus.lm.tokenizer import encode
-from tests.engine_proc import EngineProcess, make_weights_dir, wait_until
+from tests.engine_proc import EngineProcess, call, make_weights_dir, wait_until
+from tests.support.models import tiny_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +37,15 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "seed1": make_weights_dir(root / "seed1", seed=1),
         "narrow": make_weights_dir(root / "narrow", seed=0, config=ModelConfig(d_model=32)),
         "two_heads": make_weights_dir(root / "two_heads", seed=0, config=ModelConfig(n_heads=2)),
+        "lora": tiny_adapter(root / "lora", seed=3),
+        "lora_narrow": tiny_adapter(root / "lora_narrow", seed=3, config=ModelConfig(d_model=32)),
     }
 
 
 @pytest.fixture(scope="module")
 def engine(weights: dict[str, Path]) -> Iterator[EngineProcess]:
-    with EngineProcess(weights["seed0"], weight_version="0", token_delay_ms=DELAY_MS) as proc:
+    with EngineProcess(weights["seed0"], weight_version="0", token_delay_ms=DELAY_MS,
+                       extra_args=["--enable-lora"]) as proc:
         yield proc
 
 
@@ -51,11 +56,9 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 
 
 @pytest.fixture()
-def weight_set(request: pytest.FixtureRequest, engine: EngineProcess, weights: dict[str, Path]) -> str:
-    """A weight set of this test's own, seed-0 weights at version "a"."""
-    name = request.node.name.removeprefix("test_")[:40]
-    load(engine, weights["seed0"], weight_version="a", lora_name=name)
-    return name
+def base(engine: EngineProcess, weights: dict[str, Path]) -> None:
+    """The seed-0 weights at version "a", nothing paused or released."""
+    load(engine, weights["seed0"], weight_version="a")
 
 
 def load(engine: EngineProcess, path: Path, expect: int = 200, **body: Any) -> dict[str, Any]:
@@ -82,8 +85,8 @@ def wait_running(engine: EngineProcess, running: int = 1, queued: int = 0) -> No
     )
 
 
-def version(engine: EngineProcess, name: str = "base") -> str:
-    return str(engine.get("/model_info")[1]["weight_versions"][name])
+def version(engine: EngineProcess) -> str:
+    return str(engine.get("/model_info")[1]["weight_version"])
 
 
 def logprobs_under(model: TinyLM, output: list[int]) -> list[float]:
@@ -92,75 +95,83 @@ def logprobs_under(model: TinyLM, output: list[int]) -> list[float]:
 
 
 def test_a_weight_update_serves_the_new_weights_under_the_new_version(
-    engine: EngineProcess, weights: dict[str, Path], weight_set: str
+    engine: EngineProcess, weights: dict[str, Path], base: None
 ) -> None:
-    reply = load(engine, weights["seed1"], lora_name=weight_set, weight_version="b")
-    assert reply["success"] is True and reply["num_paused_requests"] == 0
-    assert version(engine, weight_set) == "b"
-    out = generate(engine, 6, lora_path=weight_set, return_logprob=True)
+    reply = load(engine, weights["seed1"], weight_version="b")
+    assert reply == {"success": True, "num_paused_requests": 0,
+                     "message": "Succeeded to update model weights. Weight version updated to b."}
+    info = engine.get("/model_info")[1]
+    assert (info["weight_version"], info["model_path"], info["served_model_name"]) == ("b",) + (str(weights["seed1"]),) * 2
+    out = generate(engine, 6, return_logprob=True)
     assert out["meta_info"]["weight_version"] == "b"
     expected = logprobs_under(load_model(weights["seed1"]).eval(), out["output_ids"])
     assert [e[0] for e in out["meta_info"]["output_token_logprobs"]] == pytest.approx(expected, abs=1e-4)
 
 
-def test_a_single_safetensors_file_is_a_valid_model_path(engine: EngineProcess, weights: dict[str, Path], weight_set: str) -> None:
-    load(engine, weights["seed1"] / "model.safetensors", lora_name=weight_set, weight_version="c")
-    assert version(engine, weight_set) == "c"
+def test_a_single_safetensors_file_is_a_valid_model_path(engine: EngineProcess, weights: dict[str, Path], base: None) -> None:
+    load(engine, weights["seed1"] / "model.safetensors", weight_version="c")
+    assert version(engine) == "c"
 
 
 @pytest.mark.parametrize(
     ("path", "fragment"),
     [
         ("missing", "does not exist"),
-        ("narrow", "tok_emb.weight: shape (53, 32), expected (53, 64)"),
-        ("two_heads", "differs from set"),
-        ("empty_dir", "no weights at"),
+        ("narrow", "blocks.0.attn.proj.bias: shape (32,), expected (64,)"),
+        ("two_heads", "differs from the served model's: n_heads: 2 (served: 4)"),
+        ("empty_dir", "missing weights file"),
         ("garbage", "cannot read"),
+        ("nan", "contains NaN or infinite values"),
     ],
 )
 def test_a_failed_weight_update_is_a_400_and_keeps_the_old_weights_and_version(
-    engine: EngineProcess, weights: dict[str, Path], weight_set: str, tmp_path: Path, path: str, fragment: str
+    engine: EngineProcess, weights: dict[str, Path], base: None, tmp_path: Path, path: str, fragment: str
 ) -> None:
-    before = generate(engine, 6, lora_path=weight_set)
+    before = generate(engine, 6)
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "garbage.safetensors").write_bytes(b"not safetensors at all")
     (tmp_path / "bare").mkdir()  # weights without a config.json: only the shapes can tell
     shutil.copy(weights["narrow"] / "model.safetensors", tmp_path / "bare" / "narrow.safetensors")
+    nan_model = load_model(weights["seed1"])
+    with torch.no_grad():
+        nan_model.blocks[0].attn.qkv.weight[0, 0] = float("nan")
+    save_weights(nan_model, tmp_path / "nan")
     target = {
         "missing": tmp_path / "missing",
         "narrow": tmp_path / "bare" / "narrow.safetensors",
         "two_heads": weights["two_heads"],
         "empty_dir": tmp_path / "empty_dir",
         "garbage": tmp_path / "garbage.safetensors",
+        "nan": tmp_path / "nan",
     }[path]
-    reply = load(engine, target, expect=400, lora_name=weight_set, weight_version="broken")
+    reply = load(engine, target, expect=400, weight_version="broken")
     assert reply["success"] is False
     assert fragment in reply["message"]
-    assert version(engine, weight_set) == "a"
-    assert generate(engine, 6, lora_path=weight_set)["output_ids"] == before["output_ids"]
+    assert version(engine) == "a"
+    assert generate(engine, 6)["output_ids"] == before["output_ids"]
 
 
-def test_update_weight_version_renames_the_served_version(engine: EngineProcess, weight_set: str) -> None:
-    status, reply = engine.post("/update_weight_version", {"new_version": "renamed", "lora_name": weight_set})
+def test_update_weight_version_renames_the_served_version(engine: EngineProcess, base: None) -> None:
+    status, reply = engine.post("/update_weight_version", {"new_version": "renamed"})
     assert status == 200
     assert reply == {"success": True, "message": reply["message"], "new_version": "renamed"}
-    assert generate(engine, 2, lora_path=weight_set)["meta_info"]["weight_version"] == "renamed"
+    assert generate(engine, 2)["meta_info"]["weight_version"] == "renamed"
 
 
-def test_update_weight_version_aborts_requests_in_flight_by_default(engine: EngineProcess, pool: ThreadPoolExecutor, weight_set: str) -> None:
-    pending = in_background(pool, engine, lora_path=weight_set)
+def test_update_weight_version_aborts_requests_in_flight_by_default(engine: EngineProcess, pool: ThreadPoolExecutor, base: None) -> None:
+    pending = in_background(pool, engine)
     wait_running(engine)
-    assert engine.post("/update_weight_version", {"new_version": "x", "lora_name": weight_set})[0] == 200
+    assert engine.post("/update_weight_version", {"new_version": "x"})[0] == 200
     assert pending.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def test_a_weight_swap_mid_request_is_reported_as_version_spans(
-    engine: EngineProcess, pool: ThreadPoolExecutor, weights: dict[str, Path], weight_set: str
+    engine: EngineProcess, pool: ThreadPoolExecutor, weights: dict[str, Path], base: None
 ) -> None:
-    pending = in_background(pool, engine, lora_path=weight_set)
+    pending = in_background(pool, engine)
     wait_until("a few tokens", lambda: engine.state()["steps"] > 0 and engine.state()["running"] == 1)
     time.sleep(0.2)
-    reply = load(engine, weights["seed1"], lora_name=weight_set, weight_version="b")
+    reply = load(engine, weights["seed1"], weight_version="b")
     assert reply["num_paused_requests"] == 1
     meta = pending.result(30)["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": LONG}
@@ -168,6 +179,29 @@ def test_a_weight_swap_mid_request_is_reported_as_version_spans(
     spans = meta["weight_versions"]
     assert [s["version"] for s in spans] == ["a", "b"]
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == LONG
+
+
+def test_an_in_place_pause_with_requests_held_refuses_the_flush_after_loading_the_weights(
+    engine: EngineProcess, pool: ThreadPoolExecutor, weights: dict[str, Path], base: None
+) -> None:
+    """SGLang loads the weights, cannot flush the cache of the held requests, answers 400 and keeps
+    reporting the old version; with flush_cache false the same update is a 200."""
+    pending = in_background(pool, engine, return_logprob=True)
+    wait_running(engine)
+    try:
+        assert engine.post("/pause_generation", {"mode": "in_place"})[0] == 200
+        reply = load(engine, weights["seed1"], expect=400, weight_version="b")
+        assert reply["success"] is False and "cache was not flushed" in reply["message"]
+        info = engine.get("/model_info")[1]
+        assert (info["weight_version"], info["model_path"]) == ("a", str(weights["seed0"]))
+        assert load(engine, weights["seed1"], weight_version="b", flush_cache=False)["success"] is True
+    finally:
+        assert engine.post("/continue_generation")[0] == 200
+    assert pending.result(30)["meta_info"]["finish_reason"] == {"type": "length", "length": LONG}
+    after = generate(engine, 6, return_logprob=True)
+    assert after["meta_info"]["weight_version"] == "b"
+    expected = logprobs_under(load_model(weights["seed1"]).eval(), after["output_ids"])
+    assert [e[0] for e in after["meta_info"]["output_token_logprobs"]] == pytest.approx(expected, abs=1e-4)
 
 
 def test_pause_abort_ends_requests_in_flight_with_their_partial_output(engine: EngineProcess, pool: ThreadPoolExecutor) -> None:
@@ -185,25 +219,26 @@ def test_pause_abort_ends_requests_in_flight_with_their_partial_output(engine: E
         wait_running(engine, running=0, queued=1)
         assert engine.state()["paused"] is True
     finally:
-        assert engine.post("/continue_generation")[1] == {"message": "Generation continued.", "status": "ok"}
+        assert engine.post("/continue_generation")[1] == {"message": "Generation continued successfully.", "status": "ok"}
     assert waiting.result(30)["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_pause_retract_requeues_requests_which_resume_on_new_weights_after_continue(
-    engine: EngineProcess, pool: ThreadPoolExecutor, weights: dict[str, Path], weight_set: str
+    engine: EngineProcess, pool: ThreadPoolExecutor, weights: dict[str, Path], base: None
 ) -> None:
-    pending = in_background(pool, engine, lora_path=weight_set, return_logprob=True)
+    pending = in_background(pool, engine, return_logprob=True)
     wait_running(engine)
     time.sleep(0.2)
     try:
         assert engine.post("/pause_generation", {"mode": "retract"})[0] == 200
         wait_running(engine, running=0, queued=1)
         assert engine.state()["kv_cache_bytes"] == 0
-        load(engine, weights["seed1"], lora_name=weight_set, weight_version="b")
+        load(engine, weights["seed1"], weight_version="b")
     finally:
         assert engine.post("/continue_generation")[0] == 200
     out = pending.result(30)
     meta = out["meta_info"]
+    assert meta["num_retractions"] == 1
     assert meta["finish_reason"] == {"type": "length", "length": LONG}
     old, new = meta["weight_versions"]
     assert (old["version"], new["version"]) == ("a", "b")
@@ -239,13 +274,20 @@ def test_abort_request_ends_one_request_by_rid(engine: EngineProcess, pool: Thre
     assert other.result(30)["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_abort_request_matches_rid_prefixes_like_sglang(engine: EngineProcess, pool: ThreadPoolExecutor) -> None:
+def test_abort_request_hits_only_an_exact_rid_in_flight_like_sglang(engine: EngineProcess, pool: ThreadPoolExecutor) -> None:
+    """A batch under rid "grp" runs as grp_0, grp_1: "grp" is in flight nowhere, so it aborts nothing
+    (SGLang's tokenizer looks the rid up); "grp_0" aborts that row and every rid it prefixes."""
     pending = pool.submit(
         engine.post, "/generate",
         {"input_ids": [PROMPT, PROMPT], "rid": "grp", "sampling_params": {"max_new_tokens": LONG, "n": 2}}, 60,
     )
     wait_running(engine, running=4)
-    assert engine.post("/abort_request", {"rid": "grp"})[0] == 200
+    assert engine.post("/abort_request", {"rid": "grp"}) == (200, None)
+    assert engine.post("/abort_request", {"rid": "grp_0_"}) == (200, None)  # a prefix, not a rid in flight
+    assert engine.state()["running"] == 4
+    assert engine.post("/abort_request", {"rid": "grp_0_0"})[0] == 200
+    wait_running(engine, running=3)
+    assert engine.post("/abort_request", {"abort_all": True})[0] == 200
     status, replies = pending.result(30)
     assert status == 200
     assert [r["meta_info"]["id"] for r in replies] == ["grp_0_0", "grp_0_1", "grp_1_0", "grp_1_1"]
@@ -271,37 +313,113 @@ def test_released_weights_are_dropped_and_restored_bit_exactly(engine: EnginePro
     before = generate(engine, 12, return_logprob=True)
     status, reply = engine.post("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
     try:
-        assert status == 200 and reply["success"] is True
+        assert (status, reply) == (200, None)  # SGLang answers a bare null
         state = engine.state()
-        assert set(state["weight_bytes"].values()) == {0}
+        assert state["weight_bytes"] == 0
         assert state["memory_released"] == ["kv_cache", "weights"]
         assert engine.get("/health_generate")[0] == 503
         waiting = in_background(pool, engine, max_new_tokens=12, return_logprob=True)
         wait_running(engine, running=0, queued=1)
     finally:
-        status, reply = engine.post("/resume_memory_occupation", {"tags": None})
-    assert status == 200 and reply["success"] is True
+        status, reply = engine.post("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    assert (status, reply) == (200, None)
     assert engine.state()["memory_released"] == []
-    assert all(b > 0 for b in engine.state()["weight_bytes"].values())
+    assert engine.state()["weight_bytes"] > 0
     for after in (waiting.result(30), generate(engine, 12, return_logprob=True)):
         assert after["output_ids"] == before["output_ids"]
         assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
     assert engine.get("/health_generate")[0] == 200
 
 
-def test_weights_loaded_while_released_are_served_after_resume(
-    engine: EngineProcess, weights: dict[str, Path], weight_set: str
+def test_releasing_memory_while_requests_run_is_a_400_and_serving_goes_on(
+    engine: EngineProcess, pool: ThreadPoolExecutor
 ) -> None:
-    expected = generate(engine, 8, lora_path=weight_set)["output_ids"]
+    """SGLang's scheduler asserts it is idle (the server dies); here it is a clear 400. A retract pause
+    makes the engine idle enough, as in SGLang."""
+    pending = in_background(pool, engine)
+    wait_running(engine)
+    status, reply = engine.post("/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert status == 400 and "only when server is idle" in reply["error"]["message"]
+    assert engine.state()["memory_released"] == []
+    try:
+        assert engine.post("/pause_generation", {"mode": "retract"})[0] == 200
+        assert engine.post("/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        assert engine.post("/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    finally:
+        assert engine.post("/continue_generation")[0] == 200
+    assert pending.result(30)["meta_info"]["finish_reason"] == {"type": "length", "length": LONG}
+
+
+def test_resuming_a_tag_never_released_is_a_400(engine: EngineProcess) -> None:
+    """SGLang raises KeyError in the scheduler (the server dies); here it is a clear 400."""
+    status, reply = engine.post("/resume_memory_occupation", {"tags": ["weights"]})
+    assert status == 400 and "never released" in reply["error"]["message"]
+    assert engine.get("/health_generate")[0] == 200
+
+
+def test_ready_is_503_while_paused(engine: EngineProcess) -> None:
+    assert engine.get("/ready")[0] == 200
+    assert engine.post("/pause_generation", {"mode": "abort"})[0] == 200
+    try:
+        assert engine.get("/ready")[0] == 503
+        assert engine.get("/health")[0] == 200
+    finally:
+        assert engine.post("/continue_generation")[0] == 200
+    assert engine.get("/ready")[0] == 200
+
+
+def test_weights_loaded_while_released_are_served_after_resume(
+    engine: EngineProcess, weights: dict[str, Path], base: None
+) -> None:
+    expected = generate(engine, 8)["output_ids"]
     assert engine.post("/release_memory_occupation", {"tags": ["weights"]})[0] == 200
     try:
-        load(engine, weights["seed1"], lora_name=weight_set, weight_version="b")
-        load(engine, weights["seed0"], lora_name=weight_set, weight_version="c")
-        assert engine.state()["weight_bytes"][weight_set] == 0
+        load(engine, weights["seed1"], weight_version="b")
+        load(engine, weights["seed0"], weight_version="c")
+        assert engine.state()["weight_bytes"] == 0
     finally:
         assert engine.post("/resume_memory_occupation", {"tags": ["weights"]})[0] == 200
-    out = generate(engine, 8, lora_path=weight_set)
+    out = generate(engine, 8)
     assert out["output_ids"] == expected and out["meta_info"]["weight_version"] == "c"
+
+
+def test_an_adapter_swap_leaves_no_gap_and_unload_waits_for_its_requests(
+    engine: EngineProcess, pool: ThreadPoolExecutor, weights: dict[str, Path]
+) -> None:
+    assert engine.post("/load_lora_adapter", {"lora_name": "p@v1", "lora_path": str(weights["lora"])})[0] == 200
+    pending = in_background(pool, engine, lora_path="p@v1")
+    wait_running(engine)
+    status, reply = engine.post("/load_lora_adapter", {"lora_name": "p@v2", "lora_path": str(weights["lora"])})
+    assert status == 200 and set(reply["loaded_adapters"]) == {"p@v1", "p@v2"}
+    unloading = pool.submit(engine.post, "/unload_lora_adapter", {"lora_name": "p@v1"}, 60)
+    wait_until("p@v1 unloading", lambda: engine.state()["unloading"] == ["p@v1"])
+    assert "never been loaded: p@v1" in engine.post("/generate", {"input_ids": PROMPT, "lora_path": "p@v1"})[1]["error"]["message"]
+    assert generate(engine, 3, lora_path="p@v2")["meta_info"]["completion_tokens"] == 3
+    assert not unloading.done()
+    assert pending.result(30)["meta_info"]["finish_reason"] == {"type": "length", "length": LONG}
+    status, reply = unloading.result(30)
+    assert status == 200 and reply["loaded_adapters"] == {"p@v2": str(weights["lora"])}
+    assert engine.post("/unload_lora_adapter", {"lora_name": "p@v2"})[0] == 200
+    assert engine.state()["adapters"] == []
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "fragment"),
+    [
+        ("x", "missing", "is not a PEFT adapter"),
+        ("x", "lora_narrow", "does not fit the base model"),
+        ("x", "seed1", "is not a PEFT adapter"),
+    ],
+)
+def test_a_bad_adapter_is_a_400_and_nothing_is_loaded(
+    engine: EngineProcess, weights: dict[str, Path], tmp_path: Path, name: str, path: str, fragment: str
+) -> None:
+    target = weights.get(path, tmp_path / path)
+    status, reply = engine.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
+    assert status == 400 and reply["success"] is False and fragment in reply["error_message"]
+    assert engine.state()["adapters"] == []
+    status, reply = engine.post("/unload_lora_adapter", {"lora_name": "never"})
+    assert status == 400 and "does not exist" in reply["error_message"]
 
 
 def test_concurrent_requests_are_decoded_together(engine: EngineProcess, pool: ThreadPoolExecutor) -> None:
@@ -310,6 +428,18 @@ def test_concurrent_requests_are_decoded_together(engine: EngineProcess, pool: T
     assert all(r["meta_info"]["completion_tokens"] == 10 for r in results)
     # one after the other would take 80 steps; batched, they share most of their 10
     assert engine.state()["steps"] - steps < 40
+
+
+def test_with_an_api_key_only_health_and_ready_are_open(weights: dict[str, Path]) -> None:
+    with EngineProcess(weights["seed0"], extra_args=["--api-key", "sekret"]) as proc:
+        assert proc.get("/health")[0] == 200 and proc.get("/health_generate")[0] == 200 and proc.get("/ready")[0] == 200
+        assert proc.get("/model_info") == (401, {"error": "Unauthorized"})
+        assert proc.post("/generate", {"input_ids": PROMPT})[0] == 401
+        for header in ("Bearer sekret", "bearer sekret"):
+            status, _ = call(proc.url + "/model_info", headers={"Authorization": header})
+            assert status == 200
+        assert call(proc.url + "/model_info", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert call(proc.url + "/model_info", headers={"X-API-Key": "sekret"})[0] == 401
 
 
 def test_a_killed_engine_starts_again_on_the_same_port(weights: dict[str, Path]) -> None:

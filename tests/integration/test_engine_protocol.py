@@ -1,4 +1,5 @@
-"""The CPU engine over real HTTP: reply shapes, real generation, log-probs, stops, weight sets, 400s."""
+"""The CPU engine on the tiny LM over real HTTP: reply shapes, real generation, log-probs, stops, LoRA
+adapters, and SGLang's HTTP rules (unknown top-level keys ignored, unknown sampling keys and wrong types 400)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_bus.lm.model import TinyLM, generate, load_model, save_weights, token_logprobs
+from rollout_bus.lm.model import TinyLM, build_model, generate, load_model, save_weights, token_logprobs
 from rollout_bus.lm.tokenizer import EOS_ID, VOCAB_SIZE, decode, encode
 from tests.engine_proc import EngineProcess, call, make_weights_dir
+from tests.support.models import TINY_TARGETS, lora, tiny_adapter
 
 pytestmark = pytest.mark.integration
 
 PROMPT = encode("12+34=", add_bos=True)
-META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version", "e2e_latency"}
+META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+             "e2e_latency", "num_retractions", "reasoning_tokens"}
+MODEL_INFO_KEYS = {"model_path", "served_model_name", "tokenizer_path", "is_generation", "preferred_sampling_params",
+                   "weight_version", "load_format", "reasoning_parser", "tool_call_parser", "disaggregation_mode",
+                   "has_image_understanding", "has_audio_understanding", "model_type", "architectures"}
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +38,16 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         eos_model.head.weight.zero_()
         eos_model.head.weight[EOS_ID] = 1.0
     save_weights(eos_model, eos_dir)
-    return {"base": make_weights_dir(root / "base", seed=0), "other": make_weights_dir(root / "other", seed=1), "eos": eos_dir}
+    return {"base": make_weights_dir(root / "base", seed=0), "eos": eos_dir,
+            "lora_a": tiny_adapter(root / "lora_a", seed=1), "lora_b": tiny_adapter(root / "lora_b", seed=2)}
 
 
 @pytest.fixture(scope="module")
 def engine(weights: dict[str, Path]) -> Iterator[EngineProcess]:
-    with EngineProcess(weights["base"], weight_version="7") as proc:
-        for name in ("other", "eos"):
-            status, reply = proc.post("/update_weights_from_disk", {"model_path": str(weights[name]), "lora_name": name, "weight_version": f"{name}-1"})
-            assert status == 200, reply
+    with EngineProcess(weights["base"], weight_version="7", extra_args=["--enable-lora"]) as proc:
+        for name in ("a", "b"):
+            status, reply = proc.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(weights[f"lora_{name}"])})
+            assert status == 200 and reply["success"] is True, reply
         yield proc
 
 
@@ -67,28 +74,44 @@ def test_health_ready_and_health_generate_answer_200(engine: EngineProcess) -> N
     assert engine.get("/health_generate")[0] == 200
 
 
-def test_model_info_describes_the_model_and_every_weight_set(engine: EngineProcess, weights: dict[str, Path]) -> None:
+def test_model_info_has_sglangs_keys_and_no_per_adapter_versions(engine: EngineProcess, weights: dict[str, Path]) -> None:
     for path in ("/model_info", "/get_model_info"):
         status, info = engine.get(path)
         assert status == 200
+        assert set(info) == MODEL_INFO_KEYS  # SGLang keeps no weight_versions: adapters carry none
         assert info["model_path"] == str(weights["base"])
         assert info["served_model_name"] == str(weights["base"])
         assert info["is_generation"] is True
         assert info["weight_version"] == "7"
-        assert info["weight_versions"] == {"base": "7", "eos": "eos-1", "other": "other-1"}
         assert info["architectures"] == ["TinyLM"]
         assert info["model_type"] == "tiny_lm"
 
 
-def test_server_info_carries_args_version_and_internal_state(engine: EngineProcess) -> None:
+def test_server_info_carries_args_and_no_request_counts_where_sglang_has_none(engine: EngineProcess) -> None:
     for path in ("/server_info", "/get_server_info"):
         status, info = engine.get(path)
         assert status == 200
         assert info["port"] == engine.port and info["token_delay_ms"] == 0
         assert info["version"].startswith("rollout-bus-cpu-engine")
-        state = info["internal_states"][0]
-        assert {"running", "queued", "paused", "memory_released", "weight_bytes"} <= set(state)
-        assert state["paused"] is False and state["memory_released"] == []
+        internal = info["internal_states"][0]
+        assert not {"running", "queued", "num_running_reqs", "num_queue_reqs"} & set(internal)
+        state = internal["cpu_engine"]
+        assert {"running", "queued", "paused", "memory_released", "weight_bytes", "adapters"} <= set(state)
+        assert state["paused"] is False and state["memory_released"] == [] and state["adapters"] == ["a", "b"]
+
+
+def test_loads_are_reported_at_v1_loads(engine: EngineProcess) -> None:
+    status, body = engine.get("/v1/loads")
+    assert status == 200 and body["accelerator"] is None
+    (load,) = body["loads"]
+    assert load["dp_rank"] == 0 and (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0)
+    assert engine.get("/v1/loads?dp_rank=3")[1]["loads"] == []
+
+
+def test_v1_models_lists_the_model_and_its_adapters(engine: EngineProcess, weights: dict[str, Path]) -> None:
+    cards = engine.get("/v1/models")[1]["data"]
+    assert [c["id"] for c in cards] == [str(weights["base"]), "a", "b"]
+    assert cards[1]["root"] == str(weights["lora_a"]) and cards[1]["parent"] == str(weights["base"])
 
 
 def test_greedy_generation_is_the_models_own_and_has_the_reference_shape(engine: EngineProcess, base_model: TinyLM) -> None:
@@ -167,36 +190,57 @@ def test_stop_strings_match_on_text(engine: EngineProcess) -> None:
     assert reply["text"] + stop == decode(reply["output_ids"])
 
 
-def test_eos_stops_generation_unless_ignore_eos(engine: EngineProcess) -> None:
-    reply = gen(engine, sampling_params={"max_new_tokens": 6}, lora_path="eos")
-    assert reply["output_ids"] == [EOS_ID]
-    assert reply["text"] == ""
-    assert reply["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS_ID}
-    assert reply["meta_info"]["weight_version"] == "eos-1"
-    ignored = gen(engine, sampling_params={"max_new_tokens": 6, "ignore_eos": True}, lora_path="eos")
-    assert ignored["output_ids"] == [EOS_ID] * 6
-    assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+def test_eos_stops_generation_unless_ignore_eos(engine: EngineProcess, weights: dict[str, Path]) -> None:
+    assert engine.post("/update_weights_from_disk", {"model_path": str(weights["eos"]), "weight_version": "eos"})[0] == 200
+    try:
+        reply = gen(engine, sampling_params={"max_new_tokens": 6})
+        assert reply["output_ids"] == [EOS_ID]
+        assert reply["text"] == ""
+        assert reply["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS_ID}
+        assert reply["meta_info"]["weight_version"] == "eos"
+        ignored = gen(engine, sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+        assert ignored["output_ids"] == [EOS_ID] * 6
+        assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    finally:
+        status, _ = engine.post("/update_weights_from_disk", {"model_path": str(weights["base"]), "weight_version": "7"})
+    assert status == 200
 
 
-def test_lora_path_selects_a_named_weight_set_with_its_own_version(engine: EngineProcess, weights: dict[str, Path]) -> None:
-    other = load_model(weights["other"]).eval()
-    reply = gen(engine, sampling_params={"max_new_tokens": 10, "ignore_eos": True}, lora_path="other", return_logprob=True)
-    assert reply["meta_info"]["weight_version"] == "other-1"
-    logps = [e[0] for e in reply["meta_info"]["output_token_logprobs"]]
-    assert logps == pytest.approx(recomputed_logprobs(other, PROMPT, reply["output_ids"]), abs=1e-4)
-    mixed = gen(engine, [PROMPT, PROMPT], sampling_params={"temperature": 0, "max_new_tokens": 5}, lora_path=["other", None])
-    assert [r["meta_info"]["weight_version"] for r in mixed] == ["other-1", "7"]
+def test_lora_path_picks_an_adapter_per_prompt_and_matches_a_direct_peft_forward(engine: EngineProcess) -> None:
+    direct = {name: lora(build_model(seed=0), TINY_TARGETS, seed=seed, scale=0.5) for name, seed in (("a", 1), ("b", 2))}
+    replies = gen(engine, [PROMPT, PROMPT, PROMPT], sampling_params={"max_new_tokens": 10, "ignore_eos": True},
+                  lora_path=["a", None, "b"], return_logprob=True)
+    outputs = [r["output_ids"] for r in replies]
+    for reply, model in zip(replies, [direct["a"], build_model(seed=0).eval(), direct["b"]], strict=True):
+        assert reply["meta_info"]["weight_version"] == "7"  # SGLang reports the base version for adapter rows too
+        logps = [e[0] for e in reply["meta_info"]["output_token_logprobs"]]
+        assert logps == pytest.approx(recomputed_logprobs(model, PROMPT, reply["output_ids"]), abs=1e-4)
+    greedy = gen(engine, [PROMPT, PROMPT], sampling_params={"temperature": 0, "max_new_tokens": 8}, lora_path=["a", None])
+    assert greedy[0]["output_ids"] != greedy[1]["output_ids"] and len(set(map(tuple, outputs))) == 3
 
 
-def test_an_unknown_weight_set_is_a_400_naming_the_known_ones(engine: EngineProcess) -> None:
+def test_an_adapter_never_loaded_is_a_400_naming_the_loaded_ones(engine: EngineProcess) -> None:
     reply = gen(engine, expect=400, lora_path="nope")
-    assert "'nope'" in reply["error"]["message"]
-    assert "['base', 'eos', 'other']" in reply["error"]["message"]
+    assert "never been loaded: nope" in reply["error"]["message"]
+    assert "['a', 'b']" in reply["error"]["message"]
 
 
 def test_max_new_tokens_zero_finishes_at_once(engine: EngineProcess) -> None:
     reply = gen(engine, sampling_params={"max_new_tokens": 0})
     assert reply["output_ids"] == [] and reply["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_text_prompts_are_tokenized_by_the_served_models_tokenizer(engine: EngineProcess) -> None:
+    by_text = gen(engine, None, text="12+34=", sampling_params={"temperature": 0, "max_new_tokens": 5})
+    by_ids = gen(engine, sampling_params={"temperature": 0, "max_new_tokens": 5})
+    assert by_text["output_ids"] == by_ids["output_ids"] and by_text["meta_info"]["prompt_tokens"] == len(PROMPT)
+    both = gen(engine, None, text=["12+34=", "9*9="], sampling_params={"temperature": 0, "max_new_tokens": 2})
+    assert [r["meta_info"]["prompt_tokens"] for r in both] == [len(PROMPT), 5]
+
+
+def test_unknown_top_level_keys_are_ignored_and_sglang_fields_accepted(engine: EngineProcess) -> None:
+    reply = gen(engine, sampling_params={"max_new_tokens": 2}, bogus=1, priority=3, custom_labels={"team": "x"})
+    assert reply["meta_info"]["completion_tokens"] == 2
 
 
 def test_default_max_new_tokens_fill_the_context(engine: EngineProcess) -> None:
@@ -224,6 +268,12 @@ def test_streaming_sends_cumulative_chunks_then_done(engine: EngineProcess) -> N
         ({"input_ids": PROMPT, "sampling_params": {"temperature": "hot"}}, "temperature must be a finite number"),
         ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),
         ({"input_ids": PROMPT, "sampling_params": {"max_tokens": 3}}, "unknown field(s) ['max_tokens'] in sampling_params"),
+        ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": "x"}}, "max_new_tokens must be an integer"),
+        ({"input_ids": PROMPT, "priority": "high"}, "priority must be an integer"),
+        ({"input_ids": PROMPT, "custom_labels": {"a": 1}}, "custom_labels must be an object of strings"),
+        ({"input_ids": PROMPT, "rid": 5}, "rid must be a string"),
+        ({"input_ids": [1.0, 2]}, "input_ids[0] must be an integer"),
+        ({"input_ids": "abc"}, "input_ids must be a list"),
         ({"input_ids": PROMPT, "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty = 0.5"),
         ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
         ({"input_ids": [1, VOCAB_SIZE]}, f"input_ids[1] = {VOCAB_SIZE} is outside the vocabulary"),
@@ -231,8 +281,7 @@ def test_streaming_sends_cumulative_chunks_then_done(engine: EngineProcess) -> N
         ({"input_ids": []}, "input_ids is required"),
         ({"input_ids": [5] * 60, "sampling_params": {"max_new_tokens": 10}}, "exceeds max_seq_len 64"),
         ({"input_ids": PROMPT, "return_logprob": "yes"}, "return_logprob must be true or false"),
-        ({"input_ids": PROMPT, "bogus": 1}, "unknown field(s) ['bogus']"),
-        ({"text": "hello"}, "input_ids only"),
+        ({"text": "HELLO"}, "is not in the vocabulary"),
         ({"input_ids": PROMPT, "sampling_params": {"n": 0}}, "n must be between"),
     ],
 )
@@ -254,14 +303,20 @@ def test_flush_cache_answers_200_when_idle(engine: EngineProcess) -> None:
     assert engine.post("/flush_cache")[0] == 200
 
 
-def test_bad_control_requests_are_400s(engine: EngineProcess) -> None:
-    assert engine.post("/abort_request", {})[0] == 400
+def test_control_requests_follow_sglangs_rules(engine: EngineProcess) -> None:
+    assert engine.post("/abort_request", {}) == (200, None)  # an empty rid is ignored
     status, reply = engine.post("/pause_generation", {"mode": "sideways"})
     assert status == 400 and "mode must be one of" in reply["error"]["message"]
     status, reply = engine.post("/release_memory_occupation", {"tags": ["gpu"]})
-    assert status == 400 and reply["success"] is False
+    assert status == 400 and "tags must be" in reply["error"]["message"]
     status, reply = engine.post("/update_weight_version", {})
     assert status == 400 and reply["success"] is False and "new_version" in reply["message"]
+    status, reply = engine.post("/update_weight_version", {"new_version": 11})
+    assert status == 400 and "must be a string" in reply["message"]
+    status, reply = call(engine.url + "/continue_generation", "POST", raw=b"")
+    assert status == 400 and "JSON object body" in reply["error"]["message"]
+    status, reply = engine.post("/update_weights_from_disk", {"weight_version": "8", "unknown_key": True})
+    assert status == 400 and "model_path is required" in reply["message"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -272,7 +327,7 @@ def test_the_engine_runs_on_cuda(weights: dict[str, Path], base_model: TinyLM) -
         logps = [e[0] for e in first["meta_info"]["output_token_logprobs"]]
         assert logps == pytest.approx(recomputed_logprobs(base_model, PROMPT, first["output_ids"]), abs=1e-3)
         assert cuda_engine.post("/release_memory_occupation", {"tags": None})[0] == 200
-        assert set(cuda_engine.state()["weight_bytes"].values()) == {0}
+        assert cuda_engine.state()["weight_bytes"] == 0
         assert cuda_engine.post("/resume_memory_occupation", {"tags": None})[0] == 200
         again = gen(cuda_engine, sampling_params=params, return_logprob=True)
         assert again["output_ids"] == first["output_ids"]

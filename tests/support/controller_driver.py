@@ -1,8 +1,9 @@
 """Helpers for driving a controller from tests, benchmarks and demos.
 
 Writing a new weights version next to a model (a perturbed copy, written with
-``safetensors.numpy`` so no torch is needed), publishing ``WeightsPublished`` the way a
-trainer does, and reading the controller's event streams back.
+``safetensors.numpy`` so no torch is needed, as a version directory with its manifest),
+publishing ``WeightsPublished`` the way a trainer does, and reading the controller's event
+streams back.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from rollout_bus.events.connection import Redis
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import Event, Producer, WeightsPublished, decode
-from rollout_bus.lm.files import CONFIG_FILE, WEIGHTS_FILE, sha256_file
+from rollout_bus.lm.files import CONFIG_FILE, WEIGHTS_FILE, write_weights_dir
 
 
 def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.05,
                   shape_change: bool = False) -> tuple[Path, str]:
-    """A copy of the weights in ``base_dir`` with noise added; returns (directory, sha256 of the file).
+    """A copy of the weights in ``base_dir`` with noise added; returns (directory, manifest sha256).
 
     ``shape_change`` drops the last row of every 2-d tensor: weights that must be refused.
     """
@@ -37,10 +38,12 @@ def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.
         if shape_change and noisy.ndim == 2:
             noisy = noisy[:-1]
         out[name] = np.ascontiguousarray(noisy)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(base_dir / CONFIG_FILE, out_dir / CONFIG_FILE)
-    save_file(out, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    return out_dir, sha256_file(out_dir / WEIGHTS_FILE)
+
+    def fill(tmp: Path) -> None:
+        shutil.copyfile(base_dir / CONFIG_FILE, tmp / CONFIG_FILE)
+        save_file(out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    return out_dir, write_weights_dir(out_dir, fill, replace=True)
 
 
 def publish_weights(client: Redis, keys: Keys, policy: str, version: int, uri: str, sha256: str,

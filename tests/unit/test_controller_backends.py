@@ -52,3 +52,22 @@ def test_make_backend_knows_both_and_refuses_others() -> None:
     with pytest.raises(ValueError, match="unknown backend"):
         make_backend("vllm")
     assert spec().url == "http://127.0.0.1:31000"
+
+
+def test_lora_and_the_api_key_reach_both_backends_and_each_engine_gets_its_own_gpus() -> None:
+    from rollout_bus.controller.config import ControllerConfig
+    from rollout_bus.controller.lifecycle import launch_spec
+    from rollout_bus.engine.args import parse_args
+
+    config = ControllerConfig(num_engines=2, pools=["code=1"], model_path="/m", weights_root="/w", enable_lora=True,
+                              max_lora_rank=16, tp_size=2, base_gpu_id=1, engine_api_key="k")
+    specs = {e: launch_spec(config, e, 31000) for e in sorted(config.expected_engines())}
+    assert {e: s.base_gpu_id for e, s in specs.items()} == {"engine-0": 1, "engine-1": 3, "engine-code-0": 5}
+    cpu = CpuBackend().command(specs["engine-1"])
+    args = parse_args(cpu[3:])  # the CPU engine's own parser takes what the backend gives it
+    assert (args.enable_lora, args.max_lora_rank, args.api_key) == (True, 16, "k")
+    sglang = SglangBackend().command(specs["engine-1"])
+    assert (flag(sglang, "--base-gpu-id"), flag(sglang, "--tp-size"), flag(sglang, "--api-key")) == ("3", "2", "k")
+    assert "--enable-lora" in sglang and flag(sglang, "--max-lora-rank") == "16"
+    plain = CpuBackend().command(launch_spec(ControllerConfig(model_path="/m", weights_root="/w"), "engine-0", 1))
+    assert "--enable-lora" not in plain and "--api-key" not in plain

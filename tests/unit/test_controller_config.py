@@ -63,3 +63,14 @@ def test_cli_flags_become_a_validated_config(tmp_path: Path) -> None:
     assert level == "debug"
     with pytest.raises(ConfigError):
         parse_config(["--model-path", str(tmp_path)])
+
+
+def test_pools_name_a_policy_and_a_number_of_engines_and_never_the_base_policy() -> None:
+    config = ControllerConfig(model_path="/m", weights_root="/w", num_engines=1, pools=["math=2"], backend="sglang")
+    assert config.validate().expected_engines() == {"engine-0": "default", "engine-math-0": "math",
+                                                    "engine-math-1": "math"}
+    assert config.total_engines == 3
+    for pools, fragment in ((["math"], "must be POLICY=NUM_ENGINES"), (["default=1"], "is the base policy"),
+                            (["a b=1"], "pool policy"), (["m=1", "m=2"], "given twice")):
+        with pytest.raises(ConfigError, match=fragment):
+            ControllerConfig(model_path="/m", weights_root="/w", pools=pools, backend="sglang").validate()

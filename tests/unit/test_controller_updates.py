@@ -1,10 +1,11 @@
 """Weight-update rounds against fake engines: supersession, stale versions, refusals, failures,
-and the base policy's launch record (written at startup, never verified as weights)."""
+pools and adapter policies, SGLang's unflushed 400, and the base policy's launch record (written at
+startup, never verified as weights)."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,16 @@ from rollout_bus.events.schema import (
     WeightUpdateFailed,
     WeightVersionServing,
 )
+from rollout_bus.lm.files import write_weights_dir
 from tests.support.controller_driver import find, read_events
+
+UNFLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
+             "Retract or finish them, then call /flush_cache.")
 
 
 class FakeEngine:
-    """The three calls a weight update makes, recorded; versions in ``refuse`` get a 400, in ``crash`` no reply."""
+    """The calls a weight update makes, recorded; versions in ``refuse`` get a 400, in ``crash`` no reply,
+    in ``unflushed`` SGLang's 400 after loading the weights without flushing (when a flush is asked for)."""
 
     def __init__(self, url: str, delay_s: float = 0.0) -> None:
         self.url = url
@@ -44,6 +50,8 @@ class FakeEngine:
         self.applied: list[int] = []
         self.refuse: set[int] = set()
         self.crash: set[int] = set()
+        self.unflushed: set[int] = set()
+        self.adapters: list[str] = []
 
     async def pause_generation(self, mode: str = "abort", **_: Any) -> dict[str, Any]:
         self.calls.append(f"pause:{mode}")
@@ -54,15 +62,32 @@ class FakeEngine:
         return {}
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: Any = None,
-                                       lora_name: str | None = None, **_: Any) -> dict[str, Any]:
+                                       flush_cache: bool = True, **_: Any) -> dict[str, Any]:
         version = int(weight_version)
-        self.calls.append(f"update:{version}:{lora_name}")
+        self.calls.append(f"update:{version}:flush={flush_cache}")
         await asyncio.sleep(self.delay_s)
         if version in self.crash:
             raise EngineHTTPError(self.url, "/update_weights_from_disk", 0, "connection reset")
         if version in self.refuse:
             raise EngineHTTPError(self.url, "/update_weights_from_disk", 400, "weights do not fit the model")
         self.applied.append(version)
+        if flush_cache and version in self.unflushed:
+            raise EngineHTTPError(self.url, "/update_weights_from_disk", 400, UNFLUSHED)
+        return {"success": True}
+
+    async def update_weight_version(self, new_version: Any, *, abort_all_requests: bool = False,
+                                    **_: Any) -> dict[str, Any]:
+        self.calls.append(f"version:{new_version}:abort={abort_all_requests}")
+        return {"success": True}
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, **_: Any) -> dict[str, Any]:
+        self.calls.append(f"load:{lora_name}")
+        self.adapters.append(lora_name)
+        return {"success": True}
+
+    async def unload_lora_adapter(self, lora_name: str, **_: Any) -> dict[str, Any]:
+        self.calls.append(f"unload:{lora_name}")
+        self.adapters.remove(lora_name)
         return {"success": True}
 
 
@@ -71,7 +96,8 @@ class Rig:
         self.root = tmp_path
         self.client = fakeredis.FakeRedis()
         self.keys = Keys("unit")
-        config = ControllerConfig(model_path=str(tmp_path), weights_root=str(tmp_path), pause_mode="in_place")
+        config = ControllerConfig(model_path=str(tmp_path), weights_root=str(tmp_path), pause_mode="in_place",
+                                  enable_lora=True, pools=["full=0"])
         self.bus = ControllerBus(self.client, self.keys, Producer("controller", "unit"), "unit")
         self.core = Core(config, self.bus, ControllerMetrics(), tmp_path / "logs")
         self.core.book.seed("default", 0)
@@ -88,13 +114,20 @@ class Rig:
         self.failed.append((h.engine_id, reason))
         h.move(EngineState.UNHEALTHY)
 
-    def publication(self, version: int, policy: str = "default") -> WeightsPublished:
-        path = self.root / policy / f"v{version}" / "model.safetensors"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"w": np.full((2, 2), version, dtype=np.float32)}, str(path))
-        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    def publication(self, version: int, policy: str = "default", adapter: bool = False) -> WeightsPublished:
+        directory = self.root / policy / f"v{version}"
+
+        def fill(tmp: Path) -> None:
+            if adapter:
+                (tmp / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+                save_file({"base_model.model.w.lora_A.weight": np.ones((2, 2), dtype=np.float32)},
+                          str(tmp / "adapter_model.safetensors"))
+            else:
+                save_file({"w": np.full((2, 2), version, dtype=np.float32)}, str(tmp / "model.safetensors"))
+
+        sha = write_weights_dir(directory, fill, replace=True)
         return WeightsPublished(producer=Producer("trainer", "t"), policy=policy, version=version,
-                                uri=str(path.parent), sha256=sha)
+                                uri=str(directory), sha256=sha)
 
     async def settle(self) -> None:
         for _ in range(500):
@@ -141,17 +174,79 @@ def test_a_newer_version_supersedes_one_in_flight_and_the_older_is_never_applied
     assert any(r.startswith("superseded by version 3") for r in reasons)
 
 
-def test_named_policies_are_pushed_as_named_weight_sets(tmp_path: Path) -> None:
+def test_full_weights_of_a_policy_without_a_pool_are_refused_and_never_touch_the_base_weights(tmp_path: Path) -> None:
+    """SGLang ignores a ``lora_name`` on /update_weights_from_disk and overwrites the base model: full
+    weights of a policy go only to engines whose base that policy is."""
+    async def scenario() -> tuple[Rig, str | None]:
+        rig = Rig(tmp_path, n=1)
+        reason = await rig.updater.submit(rig.publication(1, policy="math"))
+        await rig.settle()
+        await rig.close()
+        return rig, reason
+
+    rig, reason = run(scenario())
+    assert reason is not None and "no engine pool runs it as its base" in reason and "--pool math=N" in reason
+    assert rig.fakes[0].calls == []
+    assert rig.core.engines["e0"].record.versions == {"default": 0}
+    (failed,) = find(rig.weight_events(), WeightUpdateFailed, version=1)
+    assert failed.policy == "math" and "--pool math=N" in failed.reason  # type: ignore[attr-defined]
+
+
+def test_an_adapter_policy_is_loaded_under_versioned_names_the_new_one_before_the_old_one_goes(tmp_path: Path) -> None:
+    async def scenario() -> Rig:
+        rig = Rig(tmp_path, n=2)
+        await rig.updater.submit(rig.publication(1, policy="math", adapter=True))
+        await rig.settle()
+        await rig.updater.submit(rig.publication(2, policy="math", adapter=True))
+        await rig.settle()
+        await asyncio.sleep(1.3)  # the old name is retired a moment after the registry names the new one
+        await rig.close()
+        return rig
+
+    rig = run(scenario())
+    for fake in rig.fakes:
+        assert fake.calls == ["load:math@v1", "load:math@v2", "unload:math@v1"]  # no pause, no base update
+        assert fake.adapters == ["math@v2"]
+    for h in rig.core.engines.values():
+        assert h.record.versions == {"default": 0, "math": 2} and h.record.adapters == {"math": "math@v2"}
+        assert h.record.lora_path("math") == "math@v2"
+    assert [e.version for e in find(rig.weight_events(), WeightVersionServing, policy="math")] == [1, 2]  # type: ignore[attr-defined]
+
+
+def test_publications_a_pool_cannot_serve_as_published_are_refused(tmp_path: Path) -> None:
+    async def scenario() -> tuple[Rig, list[str | None]]:
+        rig = Rig(tmp_path, n=1)
+        reasons = [await rig.updater.submit(rig.publication(1, policy="full", adapter=True))]
+        rig.core.config.enable_lora = False
+        reasons.append(await rig.updater.submit(rig.publication(1, policy="math", adapter=True)))
+        await rig.close()
+        return rig, reasons
+
+    rig, (pool_adapter, no_lora) = run(scenario())
+    assert pool_adapter is not None and "is the base of an engine pool" in pool_adapter
+    assert no_lora is not None and "--enable-lora" in no_lora
+    assert rig.fakes[0].calls == []
+
+
+def test_an_in_place_pause_asks_for_no_flush_and_an_unflushed_400_still_counts_as_applied(tmp_path: Path) -> None:
+    """SGLang refuses the flush after loading under an in_place pause with requests held, answers 400 and
+    keeps the old version: the weights ARE loaded, so the version is set and the update counts."""
     async def scenario() -> Rig:
         rig = Rig(tmp_path, n=1)
-        await rig.updater.submit(rig.publication(1, policy="math"))
+        await rig.updater.submit(rig.publication(1))
+        await rig.settle()
+        rig.core.config.pause_mode = "retract"
+        rig.fakes[0].unflushed.add(2)
+        await rig.updater.submit(rig.publication(2))
         await rig.settle()
         await rig.close()
         return rig
 
     rig = run(scenario())
-    assert "update:1:math" in rig.fakes[0].calls
-    assert rig.core.engines["e0"].record.versions == {"default": 0, "math": 1}
+    assert rig.fakes[0].calls == ["pause:in_place", "update:1:flush=False", "continue",
+                                  "pause:retract", "update:2:flush=True", "version:2:abort=False", "continue"]
+    assert not rig.failed and rig.core.book.target("default").version == 2  # type: ignore[union-attr]
+    assert [e.version for e in find(rig.weight_events(), WeightVersionServing)] == [1, 2]  # type: ignore[attr-defined]
 
 
 def test_weights_every_engine_refuses_roll_back_and_engines_say_they_keep_the_old_version(tmp_path: Path) -> None:

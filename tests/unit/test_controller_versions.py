@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_bus.controller.versions import Target, VersionBook, engine_versions, lora_name_for
+from rollout_bus.controller.versions import Target, VersionBook, base_version, loaded_adapters
+from rollout_bus.events.registry import EngineRecord, EngineState, adapter_name, parse_adapter_name
 
 
 def target(version: int, policy: str = "default") -> Target:
@@ -53,9 +54,23 @@ def test_rollback_without_any_good_version_leaves_no_target() -> None:
     assert book.target("lora-a") is None
 
 
-def test_policy_mapping_base_is_the_base_weights_others_are_named_sets() -> None:
-    assert lora_name_for("default", "default") is None
-    assert lora_name_for("math", "default") == "math"
-    info = {"weight_version": "5", "weight_versions": {"base": "5", "math": "2", "bad": "default"}}
-    assert engine_versions(info, "default") == {"default": 5, "math": 2}
-    assert engine_versions({"weight_version": "default"}, "default") == {}
+def test_an_engine_reports_only_its_base_version_and_adapter_versions_live_in_adapter_names() -> None:
+    """SGLang's /model_info has one weight_version (the base weights') and no per-adapter versions; the
+    adapters it lists in /v1/models carry theirs in their names."""
+    assert base_version({"weight_version": "5", "weight_versions": {"math": "2"}}) == 5
+    assert base_version({"weight_version": "default"}) is None
+    models = {"data": [{"id": "/models/m", "parent": None}, {"id": "math@v2", "parent": "/models/m"},
+                       {"id": "math@v3", "parent": "/models/m"}, {"id": "hand-loaded", "parent": "/models/m"},
+                       {"id": "code@v1", "parent": "/models/m"}]}
+    assert loaded_adapters(models) == {"math": [(3, "math@v3"), (2, "math@v2")], "code": [(1, "code@v1")]}
+    assert adapter_name("math", 7) == "math@v7" and parse_adapter_name("math@v7") == ("math", 7)
+    assert parse_adapter_name("my@vx") is None and parse_adapter_name("plain") is None
+
+
+def test_a_generate_call_names_the_adapter_of_a_non_base_policy_and_nothing_for_the_base() -> None:
+    record = EngineRecord("e", "http://x", EngineState.SERVING, base_policy="default",
+                          versions={"default": 3, "math": 2}, adapters={"math": "math@v2"})
+    assert record.lora_path("default") is None and record.lora_path("math") == "math@v2"
+    assert record.serves("default") and record.serves("math") and not record.serves("code")
+    record.versions["code"] = 1  # a version without a loaded adapter is not served
+    assert not record.serves("code")

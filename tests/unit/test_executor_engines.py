@@ -14,7 +14,7 @@ from rollout_bus.executor.engines import EngineRouter, EngineTime, parse_reply
 
 def record(engine_id: str, load: int = 0, updating: dict[str, int] | None = None,
            state: EngineState = EngineState.SERVING, versions: dict[str, int] | None = None) -> EngineRecord:
-    return EngineRecord(engine_id=engine_id, url=f"http://{engine_id}", state=state, load=load,
+    return EngineRecord(engine_id=engine_id, url=f"http://{engine_id}", state=state, load=load, base_policy="p",
                         updating=updating or {}, versions={"p": 0} if versions is None else versions)
 
 

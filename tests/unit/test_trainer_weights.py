@@ -14,6 +14,7 @@ from rollout_bus.events.paging import page
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import PolicyRecord, Registry
 from rollout_bus.events.schema import Producer, WeightsPublished, WeightVersionServing, decode
+from rollout_bus.lm.files import verify_weights_dir
 from rollout_bus.lm.model import ModelConfig, build_model, load_model
 from rollout_bus.trainer.weights import ServingTimeout, WeightPublisher, version_dir
 
@@ -31,7 +32,8 @@ def test_a_version_is_saved_hashed_and_announced_once(tmp_path: Path, keys: Keys
     assert first.entry_id == again.entry_id
     directory = version_dir(tmp_path, "alpha", 3)
     assert first.uri == str(directory.resolve())
-    assert first.sha256 == hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()
+    assert first.sha256 == hashlib.sha256((directory / "manifest.json").read_bytes()).hexdigest()
+    assert verify_weights_dir(directory, first.sha256).kind == "full"  # every file is in the manifest
     events = [decode(f) for _, f in page(client, keys.weight_stream)]
     assert len(events) == 1 and isinstance(events[0], WeightsPublished)
     assert (events[0].policy, events[0].version, events[0].sha256) == ("alpha", 3, first.sha256)

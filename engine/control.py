@@ -1,0 +1,170 @@
+"""HTTP control endpoints in SGLang's shapes: weights, versions, pause, aborts, memory, LoRA adapters.
+
+As in SGLang, each body must be a JSON object (no body is a 400) and unknown keys are ignored.
+Weight files and adapters are read and vetted on a worker thread, so the event loop keeps serving;
+the swap itself runs on the scheduler thread between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from rollout_bus.engine.errors import BadRequest, EngineError
+from rollout_bus.engine.protocol import (
+    get_bool,
+    get_str,
+    get_version,
+    parse_json,
+    parse_memory_tags,
+    parse_pause_mode,
+)
+from rollout_bus.engine.runtime import Engine
+from rollout_bus.engine.scheduler import FLUSH_REFUSED
+from rollout_bus.engine.served import WeightUpdate
+
+logger = logging.getLogger(__name__)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        raise BadRequest(f"{request.path} needs a JSON object body (send {{}} for the defaults)")
+    return parse_json(raw)
+
+
+def _required_str(body: dict[str, Any], name: str) -> str:
+    value = get_str(body, name, None)
+    if not value:
+        raise BadRequest(f"{name} is required")
+    return value
+
+
+class Control:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.model = engine.model
+
+    def add_to(self, app: web.Application) -> None:
+        post, get = web.post, web.get
+        app.add_routes([
+            get("/flush_cache", self.flush_cache),
+            post("/flush_cache", self.flush_cache),
+            post("/update_weights_from_disk", self.update_weights_from_disk),
+            post("/update_weight_version", self.update_weight_version),
+            post("/pause_generation", self.pause_generation),
+            post("/continue_generation", self.continue_generation),
+            post("/abort_request", self.abort_request),
+            post("/release_memory_occupation", self.release_memory),
+            post("/resume_memory_occupation", self.resume_memory),
+            get("/release_memory_occupation", self.release_memory),
+            get("/resume_memory_occupation", self.resume_memory),
+            post("/load_lora_adapter", self.load_lora_adapter),
+            post("/unload_lora_adapter", self.unload_lora_adapter),
+        ])
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if await asyncio.wrap_future(self.scheduler.flush_cache()):
+            return web.Response(text="Cache flushed.\n")
+        return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
+
+    # weights
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            model_path = _required_str(body, "model_path")
+            load_format = get_str(body, "load_format", None)
+            if load_format not in (None, "auto", "safetensors"):
+                raise BadRequest(f"load_format {load_format!r} is not supported; use 'safetensors' or leave it out")
+            flush = get_bool(body, "flush_cache", True)
+            abort_all = get_bool(body, "abort_all_requests", False)
+            version = get_version(body, "weight_version")
+            state = await asyncio.get_running_loop().run_in_executor(None, self.model.read_update, model_path)
+            outcome = await asyncio.wrap_future(
+                self.scheduler.update_weights(WeightUpdate(state, version, model_path), abort_all, flush))
+        except EngineError as exc:
+            logger.warning("weight update rejected: %s", exc)
+            return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0},
+                                     status=exc.status)
+        if not outcome.flushed:
+            return web.json_response({"success": False, "message": FLUSH_REFUSED,
+                                      "num_paused_requests": outcome.carried}, status=400)
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": outcome.carried})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            version = get_version(body, "new_version")
+            if version is None:
+                raise BadRequest("new_version is required (a string)")
+            abort_all = get_bool(body, "abort_all_requests", True)
+            await asyncio.wrap_future(self.scheduler.set_version(version, abort_all))
+        except EngineError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=exc.status)
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version})
+
+    # scheduling control
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = parse_pause_mode(await _body(request))
+        await asyncio.wrap_future(self.scheduler.pause(mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        get_bool(await _body(request), "torch_empty_cache", True)
+        await asyncio.wrap_future(self.scheduler.unpause())
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang: an empty rid without ``abort_all`` is ignored; a rid not in flight aborts nothing."""
+        body = await _body(request)
+        rid = get_str(body, "rid", None) or None
+        abort_all = get_bool(body, "abort_all", False)
+        message = get_str(body, "abort_message", None) or "aborted by /abort_request"
+        if abort_all or rid is not None:
+            await asyncio.wrap_future(self.scheduler.abort(None if abort_all else rid, message))
+        return web.Response(status=200)
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        tags = parse_memory_tags(await _body(request), request.path)
+        await asyncio.wrap_future(self.scheduler.release_memory(tags))
+        return web.json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        tags = parse_memory_tags(await _body(request), request.path)
+        await asyncio.wrap_future(self.scheduler.resume_memory(tags))
+        return web.json_response(None)
+
+    # adapters
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
+            get_bool(body, "pinned", False)
+            await asyncio.get_running_loop().run_in_executor(None, self.model.check_adapter, name, path)
+            await asyncio.wrap_future(self.scheduler.load_adapter(name, path))
+        except EngineError as exc:
+            logger.warning("adapter load rejected: %s", exc)
+            return self._lora_reply(str(exc), exc.status)
+        return self._lora_reply(None, 200)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            name = _required_str(await _body(request), "lora_name")
+            done = await asyncio.wrap_future(self.scheduler.unload_adapter(name))
+            await asyncio.wrap_future(done)
+        except EngineError as exc:
+            return self._lora_reply(str(exc), exc.status)
+        return self._lora_reply(None, 200)
+
+    def _lora_reply(self, error: str | None, status: int) -> web.Response:
+        return web.json_response({"rid": None, "http_worker_ipc": None, "success": error is None,
+                                  "error_message": error, "loaded_adapters": self.model.adapter_paths()},
+                                 status=status)

@@ -1,0 +1,156 @@
+"""A Hugging Face causal LM as a served model (``AutoModelForCausalLM`` + its tokenizer).
+
+Rows share one ``DynamicCache``: prompts are left-padded, positions are passed explicitly (each row
+counts only its real tokens), and the attention mask grows by one column per step, as
+``model.generate`` does with a batch. New rows are prefilled on their own cache and merged in
+(both caches left-padded to the longer); finished rows are dropped with ``batch_select_indices``,
+and slots that became padding in every row are cut off. Decoder-only models with full attention
+(Llama, Qwen2, SmolLM2, ...) are what this is written for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rollout_bus.engine.codec import HFCodec
+from rollout_bus.engine.served import IGNORED_CONFIG_KEYS, DecodeBatch, LoraLimits, ServedModel
+from rollout_bus.lm import hf
+from rollout_bus.lm.files import CONFIG_FILE, tensor_shapes
+
+
+class HFServed(ServedModel):
+    kind = "hf"
+
+    def __init__(self, model_path: str, device: torch.device, version: str, lora: LoraLimits, *,
+                 tokenizer: bool = True) -> None:
+        from transformers import DynamicCache
+
+        model = hf.load_model(model_path, device)
+        loaded = hf.load_tokenizer(model_path) if tokenizer else None
+        config = model.config
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+        codec = HFCodec(loaded, int(config.get_text_config().vocab_size), eos_ids, model_path if tokenizer else None)
+        reference = tensor_shapes(Path(model_path))
+        super().__init__(model, reference, codec, max_seq_len=int(config.max_position_embeddings), device=device,
+                         version=version, source=model_path, lora=lora)
+        self.model_type = str(config.model_type)
+        self.architectures = list(config.architectures or [type(model).__name__])
+        self.config_json = _read_config(Path(model_path))
+        self.hf_config = config
+        self.cache_class = DynamicCache
+
+    def new_batch(self) -> DecodeBatch:
+        return HFBatch(self)
+
+    def config_problems(self, directory: Path) -> list[str]:
+        if not (directory / CONFIG_FILE).is_file():
+            return []
+        try:
+            new = _read_config(directory)
+        except (OSError, ValueError) as exc:
+            return [f"unreadable: {exc}"]
+        keys = (set(new) | set(self.config_json)) - IGNORED_CONFIG_KEYS
+        return [f"{k}: {new.get(k)!r} (served: {self.config_json.get(k)!r})" for k in sorted(keys)
+                if new.get(k) != self.config_json.get(k)][:6]
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    data = json.loads((directory / CONFIG_FILE).read_text())
+    if not isinstance(data, dict):
+        raise ValueError("config.json is not a JSON object")
+    return data
+
+
+class HFBatch(DecodeBatch):
+    def __init__(self, served: HFServed) -> None:
+        self.served = served
+        self.rows: list[Any] = []
+        self.cache: Any = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.positions = torch.zeros(0, dtype=torch.long)
+
+    def _names(self, seqs: Sequence[Any]) -> list[str | None]:
+        return [s.spec.lora for s in seqs]
+
+    def decode(self) -> Tensor:
+        device = self.served.device
+        last = torch.tensor([[s.output_ids[-1]] for s in self.rows], device=device)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
+        out = self.served.forward(self._names(self.rows), input_ids=last, attention_mask=self.mask,
+                                  position_ids=self.positions[:, None], cache=self.cache, use_cache=True)
+        self.positions = self.positions + 1
+        return out.logits[:, -1]
+
+    def prefill(self, seqs: Sequence[Any]) -> Tensor:
+        device = self.served.device
+        prompts = [s.tokens() for s in seqs]
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+        mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            mask[row, longest - len(prompt):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = self.served.cache_class()
+        out = self.served.forward(self._names(seqs), input_ids=ids, attention_mask=mask, position_ids=positions,
+                                  cache=cache, use_cache=True, logits_to_keep=1)
+        self._merge(list(seqs), cache, mask, positions[:, -1] + 1)
+        return out.logits[:, -1]
+
+    def _merge(self, seqs: list[Any], cache: Any, mask: Tensor, positions: Tensor) -> None:
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.positions = seqs, cache, mask, positions
+            return
+        length = max(self.mask.shape[1], mask.shape[1])
+        layers = []
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            keys = torch.cat([_left_pad(old.keys, length), _left_pad(new.keys, length)])
+            values = torch.cat([_left_pad(old.values, length), _left_pad(new.values, length)])
+            layers.append((keys, values))
+        self.cache = self.served.cache_class(ddp_cache_data=layers)
+        self.mask = torch.cat([F.pad(self.mask, (length - self.mask.shape[1], 0)), F.pad(mask, (length - mask.shape[1], 0))])
+        self.positions = torch.cat([self.positions, positions])
+        self.rows = [*self.rows, *seqs]
+
+    def keep(self, seqs: Sequence[Any]) -> None:
+        wanted = {id(s) for s in seqs}
+        index = [i for i, s in enumerate(self.rows) if id(s) in wanted]
+        if len(index) == len(self.rows):
+            return
+        if not index:
+            self.clear()
+            return
+        rows = torch.tensor(index, device=self.mask.device)
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
+        self.rows = [self.rows[i] for i in index]
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else 0
+        if start > 0:  # slots that are padding in every remaining row
+            self.mask = self.mask[:, start:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+
+    def clear(self) -> None:
+        self.rows, self.cache = [], None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.positions = torch.zeros(0, dtype=torch.long)
+
+    def nbytes(self) -> int:
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+
+
+def _left_pad(t: Tensor, length: int) -> Tensor:
+    return F.pad(t, (0, 0, length - t.shape[2], 0))

@@ -1,0 +1,297 @@
+"""The model an engine serves: base weights with a version, LoRA adapters by name, decode batches.
+
+``ServedModel`` holds what the tiny LM (``engine.tiny_model``) and Hugging Face models
+(``engine.hf_model``) share: vetting and applying base-weight updates (names, shapes, dtypes and
+finiteness against the tensors the engine was launched with, checked off the scheduler thread),
+releasing and resuming weight memory, and LoRA adapters through ``peft`` (several in one forward,
+one per row). Only the scheduler thread mutates it; the HTTP side reads names and versions under a
+lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rollout_bus.engine.codec import Codec
+from rollout_bus.engine.errors import BadRequest
+from rollout_bus.lm.files import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    CONFIG_FILE,
+    Shapes,
+    WeightsError,
+    adapter_problems,
+    file_shapes,
+)
+from rollout_bus.lm.hf import parameters_by_name, read_state
+
+logger = logging.getLogger(__name__)
+
+BASE_ROW = "__base__"  # peft's name for rows without an adapter in a mixed batch
+IGNORED_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
+                                 "architectures", "pad_token_id"})
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """Vetted base weights read from ``source``; ``version`` None keeps the served version."""
+
+    state: dict[str, Tensor] = field(repr=False)
+    version: str | None
+    source: str
+
+
+@dataclass(frozen=True)
+class LoraLimits:
+    enabled: bool = False
+    max_rank: int | None = None
+    target_modules: frozenset[str] | None = None
+    max_per_batch: int = 8
+
+
+class DecodeBatch(ABC):
+    """Rows decoded together on one KV cache. Invariant: the cache covers each row's tokens but its
+    last output token, which the next ``decode`` feeds."""
+
+    rows: list[Any]
+
+    @abstractmethod
+    def decode(self) -> Tensor:
+        """One step for every row (in ``rows`` order): logits ``[len(rows), vocab]``."""
+
+    @abstractmethod
+    def prefill(self, seqs: Sequence[Any]) -> Tensor:
+        """Run new sequences' whole token lists, add them to the batch; logits of their last tokens."""
+
+    @abstractmethod
+    def keep(self, seqs: Sequence[Any]) -> None:
+        """Drop every row not in ``seqs`` (finished, aborted, retracted)."""
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    @abstractmethod
+    def nbytes(self) -> int: ...
+
+
+class ServedModel(ABC):
+    kind: str
+    model_type: str
+    architectures: list[str]
+
+    def __init__(self, base: nn.Module, reference: Shapes, codec: Codec, *, max_seq_len: int,
+                 device: torch.device, version: str, source: str, lora: LoraLimits) -> None:
+        self.base = base
+        self.peft: Any = None
+        self.reference = reference
+        self.codec = codec
+        self.max_seq_len = max_seq_len
+        self.device = device
+        self.version = version
+        self.source = source
+        self.served_name: str | None = None  # after a weight update: its path, as SGLang reports
+        self.lora = lora
+        self.adapters: dict[str, str] = {}
+        self.backup: dict[int, Tensor] | None = None
+        self._live = parameters_by_name(base, reference)
+        self._lock = threading.Lock()
+
+    # --- what the HTTP side reads -----------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.codec.vocab_size
+
+    def adapter_paths(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self.adapters)
+
+    @property
+    def released(self) -> bool:
+        return self.backup is not None
+
+    @abstractmethod
+    def new_batch(self) -> DecodeBatch: ...
+
+    def config_problems(self, directory: Path) -> list[str]:
+        """How the ``config.json`` in ``directory`` differs from the served one (none when absent)."""
+        return []
+
+    # --- running ------------------------------------------------------------------------------
+    def forward(self, names: Sequence[str | None], **inputs: Any) -> Any:
+        """The model on a batch whose row ``i`` uses adapter ``names[i]`` (None: the base weights)."""
+        if self.peft is None:
+            return self.base(**inputs)
+        if all(n is None for n in names):
+            with self.peft.disable_adapter():
+                return self.peft(**inputs)
+        return self.peft(**inputs, adapter_names=[n or BASE_ROW for n in names])
+
+    # --- base weights -----------------------------------------------------------------------------
+    def read_update(self, model_path: str) -> dict[str, Tensor]:
+        """Read and vet new base weights (off the scheduler thread); ``BadRequest`` says what is wrong."""
+        path = Path(model_path)
+        if not path.exists():
+            raise BadRequest(f"model_path {model_path} does not exist")
+        if path.is_dir():
+            problems = self.config_problems(path)
+            if problems:
+                raise BadRequest(f"{path / CONFIG_FILE} differs from the served model's: {'; '.join(problems)}")
+        try:
+            state = read_state(path)
+        except WeightsError as exc:
+            raise BadRequest(f"cannot load {model_path}: {exc.reason}") from None
+        except Exception as exc:  # safetensors, OSError, ...: whatever it is, the file is unusable
+            raise BadRequest(f"cannot read the weights at {model_path}: {exc}") from None
+        problems = check_tensors(self.reference, state)
+        if problems:
+            raise BadRequest(f"weights at {model_path} do not fit the served model: {'; '.join(problems)}")
+        return state
+
+    def apply_update(self, update: WeightUpdate, *, announce: bool = True) -> None:
+        """Copy vetted weights in (into the host copy while released); scheduler thread only.
+
+        ``announce`` False loads the tensors but leaves the reported path, name and version as they
+        were (SGLang's tokenizer side when the cache flush after a load was refused)."""
+        with torch.no_grad():
+            for name, tensor in update.state.items():
+                live = self._live[name]
+                target = self.backup[id(live)] if self.backup is not None else live.data
+                target.copy_(tensor)
+        if not announce:
+            return
+        with self._lock:
+            self.source = self.served_name = update.source
+            if update.version is not None:
+                self.version = update.version
+
+    def set_version(self, version: str) -> None:
+        with self._lock:
+            self.version = version
+
+    # --- memory -------------------------------------------------------------------------------------
+    def _parameters(self) -> list[nn.Parameter]:
+        module = self.peft if self.peft is not None else self.base
+        unique: dict[int, nn.Parameter] = {}
+        for param in module.parameters():
+            unique.setdefault(id(param), param)
+        return list(unique.values())
+
+    def live_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._parameters())
+
+    def release(self) -> None:
+        """Drop parameter storage, keeping a host copy that ``resume`` restores bit for bit."""
+        if self.backup is not None:
+            return
+        self.backup = {}
+        for param in self._parameters():
+            self.backup[id(param)] = param.data.to("cpu")
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        if self.backup is None:
+            return
+        for param in self._parameters():
+            param.data = self.backup[id(param)].to(param.device)
+        self.backup = None
+
+    # --- adapters -------------------------------------------------------------------------------------
+    def check_adapter(self, name: str, path: str) -> None:
+        """Vet a PEFT LoRA adapter against the served base (off the scheduler thread)."""
+        if not self.lora.enabled:
+            raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if not name:
+            raise BadRequest("lora_name must not be empty")
+        if name in self.adapter_paths():
+            raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
+        directory = Path(path)
+        config_path, weights_path = directory / ADAPTER_CONFIG_FILE, directory / ADAPTER_WEIGHTS_FILE
+        if not config_path.is_file() or not weights_path.is_file():
+            raise BadRequest(f"{path} is not a PEFT adapter: it needs {ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}")
+        try:
+            config = json.loads(config_path.read_text())
+            shapes = file_shapes(weights_path)
+        except (OSError, ValueError) as exc:
+            raise BadRequest(f"cannot read the adapter at {path}: {exc}") from None
+        except WeightsError as exc:
+            raise BadRequest(f"cannot read the adapter at {path}: {exc.reason}") from None
+        if config.get("peft_type") != "LORA":
+            raise BadRequest(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LoRA adapters are served")
+        rank = config.get("r")
+        if self.lora.max_rank is not None and isinstance(rank, int) and rank > self.lora.max_rank:
+            raise BadRequest(f"adapter rank {rank} exceeds --max-lora-rank {self.lora.max_rank}")
+        problems = adapter_problems(shapes, self.reference)
+        if problems:
+            raise BadRequest(f"adapter {path} does not fit the base model: {'; '.join(problems)}")
+
+    def attach_adapter(self, name: str, path: str) -> None:
+        """Load a vetted adapter (scheduler thread); finite values are checked after loading."""
+        if self.backup is not None:
+            raise BadRequest("weights are released: resume memory before loading an adapter")
+        from peft import PeftModel
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if self.peft is None:
+                self.peft = PeftModel.from_pretrained(self.base, path, adapter_name=name, is_trainable=False)
+            else:
+                self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
+            self.peft.eval()
+        bad = [n for n, p in self.peft.named_parameters() if f".{name}." in n and not bool(torch.isfinite(p).all())]
+        if bad:
+            self._remove_adapter(name)
+            raise BadRequest(f"adapter {path} holds NaN or infinite values in {bad[:4]}")
+        with self._lock:
+            self.adapters[name] = path
+        logger.info("loaded LoRA adapter %s from %s", name, path)
+
+    def detach_adapter(self, name: str) -> None:
+        self._remove_adapter(name)
+        with self._lock:
+            self.adapters.pop(name, None)
+        logger.info("unloaded LoRA adapter %s", name)
+
+    def _remove_adapter(self, name: str) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if list(self.peft.peft_config) == [name]:
+                self.base = self.peft.unload()  # back to the bare base model (nothing merged)
+                self.peft = None
+            else:
+                self.peft.delete_adapter(name)
+
+
+def check_tensors(reference: Mapping[str, tuple[str, tuple[int, ...]]], state: Mapping[str, Tensor],
+                  limit: int = 6) -> list[str]:
+    """Every missing or unexpected name, wrong shape, non-float dtype and non-finite tensor."""
+    problems: list[str] = []
+    missing = sorted(set(reference) - set(state))
+    unexpected = sorted(set(state) - set(reference))
+    if missing:
+        problems.append(f"missing keys {missing[:limit]}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected[:limit]}")
+    for name in sorted(set(reference) & set(state)):
+        want, got = reference[name][1], tuple(state[name].shape)
+        if got != tuple(want):
+            problems.append(f"{name}: shape {got}, expected {tuple(want)}")
+        elif not state[name].is_floating_point():
+            problems.append(f"{name}: dtype {state[name].dtype}, expected a floating dtype")
+        elif not bool(torch.isfinite(state[name]).all()):
+            problems.append(f"{name}: contains NaN or infinite values")
+        if len(problems) >= limit:
+            break
+    return problems

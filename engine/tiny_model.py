@@ -1,0 +1,91 @@
+"""The tiny character-level LM (``lm.model.TinyLM``) as a served model: the fast default for tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollout_bus.engine.codec import CharCodec
+from rollout_bus.engine.served import DecodeBatch, LoraLimits, ServedModel
+from rollout_bus.lm.files import config_file, tensor_shapes
+from rollout_bus.lm.kv_cache import KVCache
+from rollout_bus.lm.model import ModelConfig, load_config, load_model, pad_batch
+from rollout_bus.lm.tokenizer import VOCAB_SIZE
+
+
+class TinyServed(ServedModel):
+    kind = "tiny_lm"
+    model_type = "tiny_lm"
+    architectures = ["TinyLM"]
+
+    def __init__(self, model_path: str, device: torch.device, version: str, lora: LoraLimits) -> None:
+        config = load_config(model_path)
+        if config.vocab_size != VOCAB_SIZE:
+            raise ValueError(f"{config_file(model_path)}: vocab_size {config.vocab_size}, the character "
+                             f"vocabulary has {VOCAB_SIZE}")
+        model = load_model(model_path, device).eval()
+        super().__init__(model, tensor_shapes(Path(model_path)), CharCodec(), max_seq_len=config.max_seq_len,
+                         device=device, version=version, source=model_path, lora=lora)
+        self.config: ModelConfig = config
+
+    def new_batch(self) -> DecodeBatch:
+        return TinyBatch(self)
+
+    def config_problems(self, directory: Path) -> list[str]:
+        if not config_file(directory).is_file():
+            return []
+        try:
+            config = load_config(directory)
+        except (OSError, ValueError, TypeError) as exc:
+            return [f"unreadable: {exc}"]
+        return [f"{k}: {v} (served: {getattr(self.config, k)})" for k, v in config.to_dict().items()
+                if getattr(self.config, k) != v]
+
+
+class TinyBatch(DecodeBatch):
+    """Rows on one ``lm.kv_cache.KVCache``: positions and padding come from the cache's mask."""
+
+    def __init__(self, served: TinyServed) -> None:
+        self.served = served
+        self.rows: list[Any] = []
+        self.cache: KVCache | None = None
+
+    def _names(self, seqs: Sequence[Any]) -> list[str | None]:
+        return [s.spec.lora for s in seqs]
+
+    def decode(self) -> Tensor:
+        assert self.cache is not None
+        last = torch.tensor([s.output_ids[-1] for s in self.rows], device=self.served.device)
+        logits = self.served.forward(self._names(self.rows), input_ids=last[:, None], attention_mask=None,
+                                     cache=self.cache)
+        return logits[:, -1]
+
+    def prefill(self, seqs: Sequence[Any]) -> Tensor:
+        ids, mask = pad_batch([s.tokens() for s in seqs], side="left", device=self.served.device)
+        cache = KVCache.empty()
+        logits = self.served.forward(self._names(seqs), input_ids=ids, attention_mask=mask, cache=cache)
+        self.cache = cache if self.cache is None else KVCache.stack([self.cache, cache])
+        self.rows = [*self.rows, *seqs]
+        return logits[:, -1]
+
+    def keep(self, seqs: Sequence[Any]) -> None:
+        wanted = {id(s) for s in seqs}
+        index = [i for i, s in enumerate(self.rows) if id(s) in wanted]
+        if len(index) == len(self.rows):
+            return
+        if not index:
+            self.clear()
+            return
+        assert self.cache is not None
+        self.cache = self.cache.select(torch.tensor(index, device=self.cache.mask.device))
+        self.rows = [self.rows[i] for i in index]
+
+    def clear(self) -> None:
+        self.rows, self.cache = [], None
+
+    def nbytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes()
