@@ -90,7 +90,7 @@ class ExecutorService:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="executor-loop", daemon=True)
         self._loop_thread.start()
-        rq_client = connect(cfg.redis_url, socket_timeout_s=None)
+        rq_client = connect(cfg.redis_url, socket_timeout_s=None, retries=3)  # rq does not go through Guard
         queues = [rq_queue(rq_client, queue_name(self.keys, kind == "eval")) for kind in cfg.queues]
         self.worker = ExecutorWorker(queues, name=self.name, connection=rq_client,
                                      heartbeat_ttl_s=cfg.heartbeat_ttl_s,
