@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -68,6 +69,8 @@ class InferenceController:
         keys = Keys(config.namespace)
         producer = Producer("controller", f"{config.instance}-{os.getpid()}")
         bus = ControllerBus(client, keys, producer, config.instance)
+        # no log directory given: a temporary one, removed again when the engines logging there are stopped
+        self._temp_log_dir = not config.log_dir
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix=f"rollout-bus-engines-{config.namespace}-"))
         self.core = Core(config, bus, metrics or ControllerMetrics(), log_dir)
         self.lifecycle = Lifecycle(self.core, make_backend(config.backend), WeightUpdater(self.core, self._failed))
@@ -104,12 +107,15 @@ class InferenceController:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.core.cancel_tasks()
-        if self.config.stop_engines_on_exit if stop_engines is None else stop_engines:
+        engines_stopped = self.config.stop_engines_on_exit if stop_engines is None else stop_engines
+        if engines_stopped:
             await asyncio.gather(*(self.lifecycle.stop(h, "controller shut down", kill=True)
                                    for h in self.engines.values() if h.managed and h.state != S.STOPPED))
         for h in self.engines.values():
             if h.process is not None:
                 h.process.close_log()
+        if engines_stopped and self._temp_log_dir:
+            shutil.rmtree(self.core.log_dir, ignore_errors=True)
         self.core.bus.close()
         self.core.metrics.close()
         await close_shared_session()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,4 +188,6 @@ def fake_batch(n_groups: int, per_group: int, *, rollout_id: int, version: int, 
 
 def shared_init_dir(name: str = "rollout-bus-test-init") -> Path:
     """A per-machine directory for the warm-started test weights (reused while the config matches)."""
-    return Path(tempfile.gettempdir()) / name
+    from tests.conftest import SYSTEM_TEMP  # a cache kept across runs on purpose, outside pytest's directory
+
+    return Path(SYSTEM_TEMP) / name

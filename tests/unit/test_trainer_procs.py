@@ -58,3 +58,30 @@ def test_stop_all_kills_an_adopted_engine_that_outlives_the_grace(tmp_path: Path
     procs.adopt(engine.pid, "engine-0")
     procs.stop_all(timeout_s=0.2)
     assert engine.wait(5) == -signal.SIGKILL
+
+
+def test_a_pid_that_belongs_to_another_user_is_not_a_process_of_ours() -> None:
+    """kill(pid, 0) answers EPERM for another user's process: a pid we started, reused by someone else."""
+    if os.geteuid() != 0:
+        assert not alive(1)  # init belongs to root
+        return
+    target = os.getpid()  # ours, root's: a child that drops to "nobody" may not signal it
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                os.kill(target, 0)
+                eperm = False
+            except PermissionError:
+                eperm = True
+            os.write(write_end, f"{eperm} {alive(target)}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(child, 0)
+    answer = os.read(read_end, 64).decode()
+    os.close(read_end)
+    assert answer == "True False"  # the kernel said EPERM, and that is not "alive"
