@@ -18,7 +18,7 @@ from rollout_bus.controller.core import Core
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.updates import WeightUpdater
 from rollout_bus.controller.versions import engine_versions
-from rollout_bus.engine.http_client import EngineClient, EngineHTTPError
+from rollout_bus.engine.http_client import EngineHTTPError
 from rollout_bus.events.embedded import free_port
 from rollout_bus.events.registry import EngineRecord, EngineState
 from rollout_bus.events.schema import (
@@ -52,7 +52,7 @@ class Lifecycle:
                               backend=cfg.backend if managed else "external", managed=managed,
                               pause_mode=cfg.pause_mode, base_policy=cfg.base_policy,
                               pid=process.pid if process else None)
-        handle = EngineHandle(record, EngineClient(url, timeout_s=cfg.request_timeout_s), process)
+        handle = EngineHandle(record, self.core.engine_client(url), process)
         self.core.engines[engine_id] = handle
         self.core.refresh_state_metrics()
         return handle
@@ -173,7 +173,7 @@ class Lifecycle:
                     continue
                 h.record.pid = h.process.pid
                 h.record.versions = {}
-                h.client = EngineClient(h.record.url, timeout_s=cfg.request_timeout_s)
+                h.client = self.core.engine_client(h.record.url)
                 await self.core.transition(h, S.LAUNCHING, self.core.event(
                     EngineLaunching, engine_id=h.engine_id, url=h.record.url, backend=h.record.backend,
                     managed=True))

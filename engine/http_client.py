@@ -23,6 +23,9 @@ from rollout_bus.events.errors import Failure
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+FENCE_HEADER = "X-Rollout-Bus-Fence"
+"""The controller's fencing token on every call it makes; the CPU engine refuses (409) one older than the
+highest it has seen (SGLang ignores the header)."""
 _sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
     weakref.WeakKeyDictionary())
 
@@ -48,6 +51,11 @@ class EngineHTTPError(Failure):
         """The engine answered and refused (a 4xx): it is alive and kept its previous state."""
         return 400 <= self.status < 500
 
+    @property
+    def fenced(self) -> bool:
+        """The engine refused a call whose fencing token is older than one it has seen."""
+        return self.status == 409 and self.message.startswith("fenced")
+
 
 def shared_session() -> aiohttp.ClientSession:
     """The pooled session of the running event loop, created on first use."""
@@ -71,10 +79,11 @@ class EngineClient:
     """The native API of one engine at ``url`` (``http://host:port``)."""
 
     def __init__(self, url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, fence: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._session = session
+        self._headers = {FENCE_HEADER: str(fence)} if fence is not None else None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.url!r})"
@@ -89,7 +98,7 @@ class EngineClient:
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             async with self.session.request(
-                    method, self.url + path, json=payload,
+                    method, self.url + path, json=payload, headers=self._headers,
                     timeout=aiohttp.ClientTimeout(total=limit)) as resp:
                 body = await resp.read()
                 status = resp.status

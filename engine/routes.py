@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from rollout_bus.engine.errors import BadRequest, EngineError, Unavailable
+from rollout_bus.engine.http_client import FENCE_HEADER
 from rollout_bus.engine.protocol import (
     BASE_WEIGHT_SET,
     SamplingParams,
@@ -38,6 +39,7 @@ from rollout_bus.lm.tokenizer import BOS_ID
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
+FENCE_SEEN = web.AppKey("fence_seen", dict)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -52,6 +54,25 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:
         logger.exception("%s %s failed", request.method, request.path)
         return web.json_response({"error": {"message": f"internal error: {exc!r}"}}, status=500)
+
+
+@web.middleware
+async def fence_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A call carrying a controller's fencing token older than the highest seen is refused (409)."""
+    raw = request.headers.get(FENCE_HEADER)
+    if raw is None:
+        return await handler(request)
+    try:
+        token = int(raw)
+    except ValueError:
+        return web.json_response({"error": {"message": f"{FENCE_HEADER} must be an integer, got {raw!r}"}},
+                                 status=400)
+    seen = request.app[FENCE_SEEN]
+    if token < seen["highest"]:
+        return web.json_response({"success": False, "message": f"fenced: token {token} is older than "
+                                  f"{seen['highest']}: another controller took over"}, status=409)
+    seen["highest"] = token
+    return await handler(request)
 
 
 class Routes:
@@ -286,7 +307,8 @@ class Routes:
 
 
 def build_app(engine: Engine) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[fence_middleware, error_middleware], client_max_size=16 * 1024 * 1024)
+    app[FENCE_SEEN] = {"highest": 0}
     Routes(engine).add_to(app)
 
     async def start(_: web.Application) -> None:

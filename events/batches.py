@@ -252,11 +252,10 @@ class BatchChannel:
         store cannot be reached from here is left indexed and counted as unreachable. Leftovers of
         the reachable stores older than ``max_age_s`` (temp files, pooled segments) go too.
         """
-        allowed = {str(Path(r).resolve()) for r in roots}
+        places = _Places(self, roots)
         sec, usec = self.guard.call(lambda c: c.time())
         cutoff_ms = int(sec) * 1000 + int(usec) // 1000 - int(max_age_s * 1000)
         out = Swept()
-        opened: dict[tuple[str, str | None], PayloadStore | None] = {}
         start = 0
         while True:
             offset = start
@@ -264,54 +263,113 @@ class BatchChannel:
                 self.keys.payload_index, "-inf", cutoff_ms, start=offset, num=limit))]  # noqa: B023
             if not refs:
                 break
-            places = self.guard.call(lambda c: c.hmget(self.keys.payload_stores, refs))  # noqa: B023
             kept = 0
-            for ref, place in zip(refs, places, strict=True):
-                locator = _locator(place)
-                key = (str(locator.get("store")), locator.get("root"))
-                if key not in opened:
-                    opened[key] = self._reachable(locator, allowed)
-                store = opened[key]
-                if store is None:
+            for kind in self._delete_located(refs, places, f"older than {max_age_s:.0f}s"):
+                if kind is None:
                     out.unreachable += 1
                     kept += 1
-                    continue
-                log.warning("deleting payload %s (%s store): not released by every group within %.0fs", ref,
-                            store.name, max_age_s)
-                try:
-                    store.delete(store.locate(ref))
-                except DecodeError as exc:
-                    log.warning("payload %s: %s", ref, exc.reason)
-                self._forget(ref)
-                out.payloads[store.name] = out.payloads.get(store.name, 0) + 1
+                else:
+                    out.payloads[kind] = out.payloads.get(kind, 0) + 1
             if len(refs) < limit:
                 break
             start += kept  # refs that stay indexed are skipped on the next page
-        for store in {id(s): s for s in (self.store, *opened.values()) if s is not None}.values():
+        for store in places.reachable():
             out.leftovers += store.delete_expired(max_age_s)
         if out.unreachable:
             log.warning("%d expired payload(s) live in stores this process cannot reach (another host's shared "
                         "memory, or a file root it was not given): left to a janitor that can", out.unreachable)
         return out
 
-    def _reachable(self, locator: Mapping[str, Any], allowed: set[str]) -> PayloadStore | None:
-        """A store for a recorded location, or None when it cannot (or must not) be opened here."""
+    def drop_reader(self, policy: str, group: str, *, roots: Iterable[str] = (), page_size: int = 1000) -> int:
+        """Remove ``group`` from the readers of every payload of ``policy`` (a group that is gone); payloads
+        left without a reader are deleted. Returns how many payloads it was a reader of."""
+        check_name("group", group)
+        prefix = f"{check_name('policy', policy)}:"
+        places = _Places(self, roots)
+        released = 0
+        start = 0
+        while True:
+            offset = start
+            refs = [as_str(r) for r in self.guard.call(lambda c: c.zrange(  # noqa: B023
+                self.keys.payload_index, offset, offset + page_size - 1))]  # noqa: B023
+            mine = [r for r in refs if r.startswith(prefix)]
+            if mine:
+                def srem(c: redis.Redis, rs: list[str] = mine) -> list[Any]:
+                    pipe = c.pipeline(transaction=False)
+                    for r in rs:
+                        pipe.srem(self.keys.payload_readers(r), group)
+                        pipe.scard(self.keys.payload_readers(r))
+                    return pipe.execute()
+                replies = self.guard.call(srem)
+                removed = [r for i, r in enumerate(mine) if replies[2 * i]]
+                released += len(removed)
+                orphaned = [r for i, r in enumerate(mine) if replies[2 * i] and not replies[2 * i + 1]]
+                gone = sum(kind is not None for kind in self._delete_located(orphaned, places, f"group {group} left"))
+                start += page_size - gone
+            else:
+                start += page_size
+            if len(refs) < page_size:
+                break
+        return released
+
+    def _delete_located(self, refs: list[str], places: _Places, why: str) -> list[str | None]:
+        """Delete each payload through the store its index entry names; the store kind of each, None
+        where that store cannot be reached from here (the ref then stays indexed)."""
+        if not refs:
+            return []
+        located = self.guard.call(lambda c: c.hmget(self.keys.payload_stores, refs))
+        out: list[str | None] = []
+        for ref, raw in zip(refs, located, strict=True):
+            store = places.store(_locator(raw))
+            if store is None:
+                out.append(None)
+                continue
+            log.warning("deleting payload %s (%s store): %s", ref, store.name, why)
+            try:
+                store.delete(store.locate(ref))
+            except DecodeError as exc:
+                log.warning("payload %s: %s", ref, exc.reason)
+            self._forget(ref)
+            out.append(store.name)
+        return out
+
+
+class _Places:
+    """Stores reachable from this process for recorded payload locations (see ``PayloadStore.locator``)."""
+
+    def __init__(self, channel: BatchChannel, roots: Iterable[str]) -> None:
+        self.channel = channel
+        self.allowed = {str(Path(r).resolve()) for r in roots}
+        self.opened: dict[tuple[str, str | None, str | None], PayloadStore | None] = {}
+
+    def store(self, locator: Mapping[str, Any]) -> PayloadStore | None:
+        key = (str(locator.get("store")), locator.get("root"), locator.get("host"))
+        if key not in self.opened:
+            self.opened[key] = self._open(locator)
+        return self.opened[key]
+
+    def reachable(self) -> list[PayloadStore]:
+        stores = [self.channel.store, *(s for s in self.opened.values() if s is not None)]
+        return list({id(s): s for s in stores}.values())
+
+    def _open(self, locator: Mapping[str, Any]) -> PayloadStore | None:
         kind, root, host = locator.get("store"), locator.get("root"), locator.get("host")
-        if kind is None:  # indexed before locations were recorded: this channel's own kind
-            return self.store
-        own = self.store.locator()
-        if (kind, root, host) == (own["store"], own["root"], own["host"]):
-            return self.store
+        own = self.channel.store
+        if kind is None:  # indexed before locations were recorded: the channel's own kind
+            return own
+        mine = own.locator()
+        if (kind, root, host) == (mine["store"], mine["root"], mine["host"]):
+            return own
         if kind == "redis":
-            return self.store_for({"store": "redis"})
+            return self.channel.store_for({"store": "redis"})
         if not isinstance(root, str):
             return None
         resolved = str(Path(root).resolve())
         if kind == "shm" and host == socket.gethostname() and (
-                resolved in allowed or resolved == str(Path(SHM_ROOT).resolve())):
-            return ShmStore(self.keys, resolved)
-        if kind == "file" and resolved in allowed:
-            return FileStore(resolved, self.keys)
+                resolved in self.allowed or resolved == str(Path(SHM_ROOT).resolve())):
+            return ShmStore(self.channel.keys, resolved)
+        if kind == "file" and resolved in self.allowed:
+            return FileStore(resolved, self.channel.keys)
         return None
 
 

@@ -341,11 +341,12 @@ class PayloadsSwept(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class GroupExpired(Event):
-    """A consumer group whose consumers stopped beating for ``silent_s`` was unregistered and destroyed."""
+    """A consumer group whose consumers stopped beating was unregistered and destroyed, ``lapsed_s`` after its
+    registration lapsed; ``payloads_released`` payloads lost it as a reader."""
 
     stream: str
     group: str
-    silent_s: float
+    lapsed_s: float
     payloads_released: int
     since_version: ClassVar[int] = 2
 
