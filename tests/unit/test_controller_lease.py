@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 
 import fakeredis
@@ -104,3 +105,17 @@ def test_an_active_controller_that_loses_its_lease_steps_down_leaving_the_engine
         return log
 
     assert asyncio.run(scenario()) == ["me start", "me stop engines=False"]
+
+
+def test_a_lease_whose_holder_died_on_this_host_is_taken_at_once(client: redis.Redis, keys: Keys) -> None:
+    import subprocess
+
+    from rollout_bus.controller.lease import owner_token
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lease = Lease(client, keys.controller_lease, owner_token("new"), ttl_s=5)
+    client.set(keys.controller_lease, f"old:another-host:{gone.pid}:deadbeef", px=60_000)
+    assert not lease.try_acquire()  # a holder on another host cannot be checked: it lapses in a minute
+    client.set(keys.controller_lease, f"old:{socket.gethostname()}:{gone.pid}:deadbeef", px=60_000)
+    assert lease.try_acquire() and lease.holder() == lease.owner and lease.token is not None
