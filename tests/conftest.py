@@ -24,6 +24,7 @@ def _temp_files_in_pytests_directory(tmp_path_factory: pytest.TempPathFactory) -
     """Temp files of the suite and of every process it starts (TMPDIR) go under pytest's base temp
     directory, which pytest prunes, never loose into the system's."""
     root = str(tmp_path_factory.mktemp("tmp"))
+    os.environ.setdefault("ROLLOUT_BUS_SYSTEM_TEMP", SYSTEM_TEMP)  # for caches kept on purpose (shared_init_dir)
     saved = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = root
     os.environ["TMPDIR"] = root
