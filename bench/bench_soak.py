@@ -50,6 +50,8 @@ class Sample:
     used_memory: int
     used_memory_dataset: int
     keys: int
+    dedupe_keys: int
+    rq_keys: int
     payloads_indexed: int
     streams: dict[str, int] = field(default_factory=dict)
     rss_kib: dict[str, int] = field(default_factory=dict)
@@ -70,9 +72,14 @@ def take_sample(handle: RunHandle, guard: Guard, step: int, started: float) -> S
     info = guard.call(lambda c: c.info("memory"))
     streams = {logical_stream(keys, s): int(guard.call(lambda c, st=s: c.xlen(st)))
                for s in discover_streams(guard.client, keys, guard=guard)}
+    dedupe = keys.dedupe("", "").rstrip(":") + "*"
+
+    def count(c: Any, match: str) -> int:
+        return sum(1 for _ in c.scan_iter(match=match, count=1000))
     sample = Sample(step=step, t_s=time.monotonic() - started, used_memory=int(info["used_memory"]),
                     used_memory_dataset=int(info.get("used_memory_dataset", 0)),
-                    keys=int(guard.call(lambda c: c.dbsize())),
+                    keys=int(guard.call(lambda c: c.dbsize())), dedupe_keys=guard.call(lambda c: count(c, dedupe)),
+                    rq_keys=guard.call(lambda c: count(c, "rq:*")),
                     payloads_indexed=int(guard.call(lambda c: c.zcard(keys.payload_index))), streams=streams)
     for child in handle.procs.children:
         if child.alive():
@@ -115,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--mode", default="async")
+    p.add_argument("--token-delay-ms", type=float, default=0.0,
+                   help="engine sleep per decode step: time an accelerator would spend, so a short run spans the TTLs")
     p.add_argument("--janitor-interval-s", type=float, default=10.0)
     p.add_argument("--retention-max-len", type=int, default=2000)
     p.add_argument("--payload-max-age-s", type=float, default=600.0)
@@ -127,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average (1 min) at start: {load_start:.2f}", flush=True)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-soak-"))
     config = RunConfig(mode=args.mode, steps=args.steps, out=str(out), init_dir=str(shared_init_dir()),
+                       token_delay_ms=args.token_delay_ms,
                        progress=False, plot=False, timeout_s=max(3600.0, args.steps * 3.0),
                        controller_args=[f"--janitor-interval-s={args.janitor_interval_s}",
                                         f"--retention-max-len={args.retention_max_len}",
@@ -188,20 +198,25 @@ def report(samples: list[Sample], args: argparse.Namespace, load_start: float, l
         return
     roles = sorted({r for s in samples for r in s.rss_kib})
     streams = sorted({k for s in samples for k in s.streams})
-    print(f"\nsoak: {samples[-1].step} steps in {wall_s:.0f}s, janitor every {args.janitor_interval_s:g}s, "
+    print(f"\nsoak: {samples[-1].step} steps in {wall_s:.0f}s ({args.mode}, token delay {args.token_delay_ms:g} ms), "
+          f"janitor every {args.janitor_interval_s:g}s, "
           f"retention {args.retention_max_len} entries, payloads {args.payload_max_age_s:g}s, "
           f"dedupe ttl {args.dedupe_ttl_s}s")
-    header = ["step", "used_MB", "dataset_MB", "keys", "payloads", *streams, *(f"{r}_MiB" for r in roles)]
+    header = ["step", "used_MB", "dataset_MB", "keys", "dedupe", "rq", "payloads", *streams,
+              *(f"{r}_MiB" for r in roles)]
     print(" ".join(f"{h:>12}" for h in header))
     for s in samples:
         row = [s.step, f"{s.used_memory / 1e6:.2f}", f"{s.used_memory_dataset / 1e6:.2f}", s.keys,
-               s.payloads_indexed, *(s.streams.get(k, 0) for k in streams),
+               s.dedupe_keys, s.rq_keys, s.payloads_indexed, *(s.streams.get(k, 0) for k in streams),
                *(f"{s.rss_kib.get(r, 0) / 1024:.1f}" for r in roles)]
         print(" ".join(f"{v!s:>12}" for v in row))
     half = [s for s in samples if s.step > samples[-1].step / 2] or samples
     print(f"\ngrowth per 100 steps over the second half (steps {half[0].step}-{half[-1].step}):")
     print(f"  redis used_memory      {slope_per_100([(s.step, s.used_memory) for s in half]) / 1e3:+.1f} kB")
     print(f"  redis keys             {slope_per_100([(s.step, s.keys) for s in half]):+.1f}")
+    print(f"  of which dedupe keys   {slope_per_100([(s.step, s.dedupe_keys) for s in half]):+.1f}"
+          f" (they expire {args.dedupe_ttl_s}s after they were set)")
+    print(f"  of which rq keys       {slope_per_100([(s.step, s.rq_keys) for s in half]):+.1f}")
     for k in streams:
         print(f"  stream {k:<15} {slope_per_100([(s.step, s.streams.get(k, 0)) for s in half]):+.1f} entries")
     for r in roles:
