@@ -34,8 +34,9 @@ from rollout_bus.events.schema import GroupExpired, PayloadsSwept, StreamsTrimme
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] group beats, KEYS[2] registered groups, KEYS[3] stream; ARGV[1] group.
-# Returns -1 when the group's registration has not lapsed (or has no beat), else ms since it lapsed.
+# KEYS[1] group beats, KEYS[2] registered groups; ARGV[1] group. Unregisters the group if its registration
+# lapsed: returns -1 when it has not (or it has no beat), else ms since it lapsed. (The stream itself is
+# not a key of the script: a janitor's ACL user may only trim streams and destroy groups there.)
 _EXPIRE = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -43,9 +44,6 @@ local lapse = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not lapse or tonumber(lapse) > now then return -1 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[2], ARGV[1])
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.pcall('XGROUP', 'DESTROY', KEYS[3], ARGV[1])
-end
 return now - tonumber(lapse)
 """
 
@@ -115,10 +113,11 @@ class Janitor:
         logical = logical_stream(self.keys, stream)
         out: list[GroupExpired] = []
         for group in lapsed:
-            script_keys, args = [beats, self.keys.registered_groups(stream), stream], [group]
+            script_keys, args = [beats, self.keys.registered_groups(stream)], [group]
             since_ms = int(self.guard.call(lambda c: self._expire(keys=script_keys, args=args, client=c)))  # noqa: B023
             if since_ms < 0:  # a consumer beat meanwhile
                 continue
+            self.guard.call(lambda c: _destroy_group(c, stream, group))  # noqa: B023
             released = 0
             if logical.startswith(BATCHES):
                 released = self.channel.drop_reader(logical[len(BATCHES):], group,
@@ -142,3 +141,12 @@ class Janitor:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _destroy_group(c: redis.Redis, stream: str, group: str) -> None:
+    """``XGROUP DESTROY``; a stream or group already gone is fine (a consumer that comes back recreates it)."""
+    try:
+        c.xgroup_destroy(stream, group)
+    except redis.ResponseError as exc:
+        if "requires the key to exist" not in str(exc):
+            raise
