@@ -30,6 +30,7 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.registry import Registry
 from rollout_bus.events.schema import (
     BatchConsumed,
+    BatchReady,
     EngineLaunching,
     RolloutRequested,
     TrainStepDone,
@@ -37,7 +38,7 @@ from rollout_bus.events.schema import (
 )
 from rollout_bus.launch.config import RunConfig
 from rollout_bus.launch.job import RunHandle, run_job
-from rollout_bus.replay.logfile import LogReader
+from rollout_bus.replay.logfile import LogEntry, LogReader, Payload, decode_entries
 from rollout_bus.replay.verify import verify_log
 from tests.support.fake_rollouts import shared_init_dir
 
@@ -171,7 +172,10 @@ def test_the_main_job_survives_random_kills_and_a_redis_restart_losing_and_repea
 
     assert verify_log(log_path) == []
     with LogReader(log_path) as reader:
-        events = [e.event for e in reader.events()]
+        records = list(reader)
+    events = [e.event for e in decode_entries(r for r in records if isinstance(r, LogEntry))]
+    ready = {e.batch_id for e in events if isinstance(e, BatchReady)}
+    assert {r.batch_id for r in records if isinstance(r, Payload)} == ready  # every batch's bytes, for offline use
     steps = [e for e in events if isinstance(e, TrainStepDone)]
     assert sorted(e.step for e in steps) == list(range(1, STEPS + 1))  # each step announced once
     trained_rollouts = Counter(int(e.metrics["rollout_id"]) for e in steps)
