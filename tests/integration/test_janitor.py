@@ -125,14 +125,15 @@ def test_the_active_controller_runs_the_janitor_on_a_timer_and_counts_what_it_re
     async def scenario() -> float:
         ctl = InferenceController(cfg, redis_client)
         await ctl.start()
-        try:
-            await asyncio.to_thread(wait_until, "the engine stream trimmed",
-                                    lambda: redis_client.xlen(keys.engine_stream) <= 10, 20)
-            return ctl.core.metrics.janitor_removed.labels("stream_entries", "engines")._value.get()
+        counter = ctl.core.metrics.janitor_removed.labels("stream_entries", "engines")
+        try:  # the counter moves once the pass is over, after the trim itself
+            await asyncio.to_thread(wait_until, "the janitor's trim counted", lambda: counter._value.get() >= 30, 20)
+            assert redis_client.xlen(keys.engine_stream) <= 10
+            return float(counter._value.get())
         finally:
             await ctl.stop()
 
     removed = asyncio.run(scenario())
     assert removed >= 30
     trimmed = [e for e in housekeeping(redis_client, keys) if isinstance(e, StreamsTrimmed)]
-    assert sum(e.entries.get("engines", 0) for e in trimmed) == removed
+    assert sum(e.entries.get("engines", 0) for e in trimmed) >= removed  # a pass cut short by the stop still reports
