@@ -42,7 +42,7 @@ from rollout_bus.replay.logfile import LogEntry, LogReader, Payload, decode_entr
 from rollout_bus.replay.verify import verify_log
 from tests.support.fake_rollouts import shared_init_dir
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SEED = int(os.environ.get("ROLLOUT_BUS_CHAOS_SEED", "1212"))
 """The schedule's seed; set ROLLOUT_BUS_CHAOS_SEED to try another (each run prints its schedule and faults)."""
