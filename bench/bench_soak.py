@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -135,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     load_start = load_average()
     print(f"load average (1 min) at start: {load_start:.2f}", flush=True)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-soak-"))
+    try:
+        return soak(args, out, load_start)
+    finally:
+        if not args.out:  # a run directory it made itself: removed again
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def soak(args: argparse.Namespace, out: Path, load_start: float) -> int:
     config = RunConfig(mode=args.mode, steps=args.steps, out=str(out), init_dir=str(shared_init_dir()),
                        token_delay_ms=args.token_delay_ms,
                        progress=False, plot=False, timeout_s=max(3600.0, args.steps * 3.0),
