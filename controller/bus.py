@@ -8,6 +8,10 @@ event: a reader that reacts to an event finds the registry already saying so.
 
 Blocking reads (``WeightsPublished`` and offload/onload commands) use their own
 threads through ``asyncio.to_thread`` with a short block, so stopping is prompt.
+
+Registry writes carry the controller's fencing token (``fence``): a write refused because
+another controller took the lease raises ``Fenced`` and sets ``fenced``, which the leader
+runner takes as the signal to step down.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from typing import TypeVar
 
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
+from rollout_bus.events.errors import Fenced, RedisCommandError
 from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import page
 from rollout_bus.events.publish import Publisher
-from rollout_bus.events.registry import EngineRecord, PolicyRecord, Registry
+from rollout_bus.events.registry import EngineRecord, PolicyRecord, Registry, fenced_error
 from rollout_bus.events.schema import Event, Producer, decode
 
 log = logging.getLogger(__name__)
@@ -34,11 +39,13 @@ GROUP = "controller"
 
 
 class ControllerBus:
-    def __init__(self, client: Redis, keys: Keys, producer: Producer, instance: str) -> None:
+    def __init__(self, client: Redis, keys: Keys, producer: Producer, instance: str, *,
+                 fence: int | None = None) -> None:
         self.client = client
         self.keys = keys
         self.producer = producer
-        self.registry = Registry(client, keys)
+        self.registry = Registry(client, keys, fence=fence)
+        self.fenced = asyncio.Event()
         self.publisher = Publisher(client, keys, producer)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="controller-redis")
         # A long claim idle: one active controller per namespace owns these groups; a
@@ -50,7 +57,14 @@ class ControllerBus:
 
     # --- writes, in order, off the loop -----------------------------------------------------
     async def call(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._writer, fn)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._writer, fn)
+        except (RedisCommandError, Fenced) as exc:
+            fenced = fenced_error(exc)
+            if fenced is None:
+                raise
+            self.fenced.set()
+            raise fenced from None
 
     async def announce(self, stream: str, event: Event | None, record: EngineRecord | None = None) -> None:
         snapshot = copy.deepcopy(record) if record is not None else None
@@ -114,5 +128,6 @@ class ControllerBus:
             return log_events, self.registry.engines(), self.registry.policies()
         return await self.call(read)
 
-    def close(self) -> None:
-        self._writer.shutdown(wait=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the writer thread; ``wait`` False leaves a write stuck on an unreachable Redis behind."""
+        self._writer.shutdown(wait=wait, cancel_futures=not wait)

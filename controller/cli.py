@@ -61,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on this port (0: any free one; default: off)")
+    j = p.add_argument_group("housekeeping (the janitor: retention, payload sweep, expired groups)")
+    j.add_argument("--janitor-interval-s", type=float, default=d.janitor_interval_s, help="0 turns it off")
+    j.add_argument("--retention-max-len", type=int, default=d.retention_max_len,
+                   help="entries kept per stream (never past an unacked entry of a live group); 0: no limit")
+    j.add_argument("--retention-max-age-s", type=float, default=d.retention_max_age_s, help="0: no age limit")
+    j.add_argument("--payload-max-age-s", type=float, default=d.payload_max_age_s,
+                   help="payloads older than this are deleted whatever their readers")
+    j.add_argument("--payload-root", action="append", default=[], dest="payload_roots",
+                   help="directory of a shm or file payload store the janitor may delete from (repeatable)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -97,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         lease = Lease(client, Keys(config.namespace).controller_lease, owner_token(config.instance),
                       config.lease_ttl_s)
-        runner = LeaderRunner(lease, lambda: InferenceController(config, client), config.lease_ttl_s)
+        runner = LeaderRunner(lease, lambda: InferenceController(config, client, fence=lease.token),
+                              config.lease_ttl_s)
         try:
             await runner.run(stop)
         finally:

@@ -97,6 +97,17 @@ class ControllerConfig:
     # --- coordination and observability ------------------------------------------------
     lease_ttl_s: float = 10.0
     metrics_port: int | None = None
+    # --- housekeeping (the janitor, events.janitor) --------------------------------------
+    janitor_interval_s: float = 30.0
+    """Seconds between janitor passes; 0 turns it off."""
+    retention_max_len: int = 100_000
+    """Entries kept per stream (never past what a live group still needs); 0: no length limit."""
+    retention_max_age_s: float = 0.0
+    """Entries older than this go (same rule); 0: no age limit."""
+    payload_max_age_s: float = 24 * 3600.0
+    """Payloads older than this are deleted whatever their readers."""
+    payload_roots: list[str] = field(default_factory=list)
+    """Directories of shm and file payload stores the janitor may delete from."""
 
     @property
     def total_engines(self) -> int:
@@ -164,9 +175,12 @@ class ControllerConfig:
         if len(set(self.adopt_urls)) != len(self.adopt_urls):
             problems.append("adopt URLs must be distinct")
         for name in ("health_interval_s", "health_timeout_s", "startup_timeout_s", "update_timeout_s",
-                     "request_timeout_s", "lease_ttl_s"):
+                     "request_timeout_s", "lease_ttl_s", "payload_max_age_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("janitor_interval_s", "retention_max_len", "retention_max_age_s"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.health_failure_threshold < 1:
             problems.append(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}")
         if self.max_restart_attempts < 0:

@@ -21,6 +21,7 @@ from rollout_bus.controller.config import ControllerConfig
 from rollout_bus.controller.metrics import ControllerMetrics
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.versions import VersionBook
+from rollout_bus.engine.http_client import EngineClient
 from rollout_bus.events.registry import EngineState, PolicyRecord
 from rollout_bus.events.schema import Event, Producer
 
@@ -29,8 +30,9 @@ log = logging.getLogger(__name__)
 
 class Core:
     def __init__(self, config: ControllerConfig, bus: ControllerBus, metrics: ControllerMetrics,
-                 log_dir: Path) -> None:
+                 log_dir: Path, *, fence: int | None = None) -> None:
         self.config = config
+        self.fence = fence
         self.bus = bus
         self.metrics = metrics
         self.log_dir = log_dir
@@ -40,6 +42,11 @@ class Core:
         self.policies: dict[str, PolicyRecord] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ops: dict[str, int] = {}
+
+    def engine_client(self, url: str) -> EngineClient:
+        """A client for an engine that sends this controller's fencing token with every call."""
+        return EngineClient(url, timeout_s=self.config.request_timeout_s, api_key=self.config.engine_api_key,
+                            fence=self.fence)
 
     # --- events and transitions -------------------------------------------------------------
     def event(self, cls: type[Event], **fields: Any) -> Event:

@@ -1,9 +1,19 @@
-"""One active controller per namespace: a lease key with an expiry.
+"""One active controller per namespace: a lease key with an expiry, and a fencing token.
 
 The holder writes its owner token with ``SET NX PX`` and renews it with a Lua
 compare-and-extend, so only the holder can extend or release it. A standby instance
 retries the ``SET NX`` until the holder stops renewing (it died or hung) and the key
-expires.
+expires. Taking the lease increments the fencing counter (``<key>:fence``, never reset) in
+the same script: ``token`` is this holder's number. The controller sends it with every
+registry write (a Lua script refuses a token older than the counter) and every engine call
+(the engine refuses a token older than the highest it has seen), so a leader that lost the
+lease without knowing it can no longer change anything.
+
+Renewals get a short reconnect budget (a third of the lease): a leader that cannot renew
+must notice in time to step down (``controller.runner``), not retry for a minute. A lease
+whose holder was a process of this host that is gone (the owner token names host and pid)
+is taken over at once instead of after it lapses: a supervised controller comes back in a
+second, not a lease later.
 """
 
 from __future__ import annotations
@@ -13,9 +23,23 @@ import os
 import socket
 import uuid
 
-from rollout_bus.events.connection import Guard, Redis
+from rollout_bus.events import processes
+from rollout_bus.events.connection import Guard, ReconnectPolicy, Redis
 
 log = logging.getLogger(__name__)
+
+# KEYS[1] lease, KEYS[2] fence counter; ARGV[1] owner, ARGV[2] ttl ms. Returns the holder's fencing token, 0 if held
+# by someone else.
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(redis.call('GET', KEYS[2]) or '0')
+end
+return 0
+"""
 
 _EXTEND = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -39,21 +63,33 @@ def owner_token(instance: str) -> str:
 
 class Lease:
     def __init__(self, client: Redis, key: str, owner: str, ttl_s: float,
-                 guard: Guard | None = None) -> None:
+                 guard: Guard | None = None, fence_key: str | None = None) -> None:
         self.client = client
         self.key = key
+        self.fence_key = fence_key or f"{key}:fence"
         self.owner = owner
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self.guard = guard or Guard(client, name=f"lease {key}")
+        self.guard = guard or Guard(client, ReconnectPolicy(max_wait_s=max(0.05, ttl_s / 3)), name=f"lease {key}")
+        self.token: int | None = None
+        """The fencing token of the current tenure; None before the lease was taken."""
+        self._acquire = client.register_script(_ACQUIRE)
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
 
     def try_acquire(self) -> bool:
-        """Take the lease if nobody holds it (or extend it if we do)."""
-        if self.guard.call(lambda c: c.set(self.key, self.owner, nx=True, px=self.ttl_ms)):
-            log.info("lease %s acquired by %s", self.key, self.owner)
-            return True
-        return self.renew()
+        """Take the lease if nobody holds it, or its holder died on this host (or extend it if we hold it);
+        ``token`` is then this tenure's."""
+        token = int(self.guard.call(lambda c: self._acquire(keys=[self.key, self.fence_key],
+                                                            args=[self.owner, self.ttl_ms], client=c)))
+        if not token and self._drop_dead_holder():
+            token = int(self.guard.call(lambda c: self._acquire(keys=[self.key, self.fence_key],
+                                                                args=[self.owner, self.ttl_ms], client=c)))
+        if not token:
+            return False
+        if token != self.token:
+            log.info("lease %s acquired by %s (fencing token %d)", self.key, self.owner, token)
+        self.token = token
+        return True
 
     def renew(self) -> bool:
         """Extend the lease only if we still hold it."""
@@ -65,6 +101,22 @@ class Lease:
         if released:
             log.info("lease %s released by %s", self.key, self.owner)
         return released
+
+    def _drop_dead_holder(self) -> bool:
+        """Delete the lease if its holder (``owner_token``) ran on this host and its process is gone."""
+        holder = self.holder()
+        if holder is None:
+            return False
+        parts = holder.rsplit(":", 3)
+        if len(parts) != 4 or parts[1] != socket.gethostname() or not parts[2].isdigit():
+            return False
+        pid = int(parts[2])
+        if pid == os.getpid() or processes.alive(pid):
+            return False
+        if not self.guard.call(lambda c: self._release(keys=[self.key], args=[holder], client=c)):
+            return False
+        log.warning("lease %s was held by pid %d of this host, which is gone: taking it over", self.key, pid)
+        return True
 
     def holder(self) -> str | None:
         value = self.guard.call(lambda c: c.get(self.key))

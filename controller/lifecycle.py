@@ -19,7 +19,7 @@ from rollout_bus.controller.core import Core
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.updates import WeightUpdater
 from rollout_bus.controller.versions import base_version, loaded_adapters
-from rollout_bus.engine.http_client import EngineClient, EngineHTTPError
+from rollout_bus.engine.http_client import EngineHTTPError
 from rollout_bus.events.embedded import free_port
 from rollout_bus.events.registry import EngineRecord, EngineState
 from rollout_bus.events.schema import (
@@ -67,14 +67,10 @@ class Lifecycle:
                               backend=cfg.backend if managed else "external", managed=managed,
                               pause_mode=cfg.pause_mode, base_policy=base_policy,
                               pid=process.pid if process else None)
-        handle = EngineHandle(record, self.client(url), process)
+        handle = EngineHandle(record, self.core.engine_client(url), process)
         self.core.engines[engine_id] = handle
         self.core.refresh_state_metrics()
         return handle
-
-    def client(self, url: str) -> EngineClient:
-        cfg = self.core.config
-        return EngineClient(url, timeout_s=cfg.request_timeout_s, api_key=cfg.engine_api_key)
 
     async def read_versions(self, h: EngineHandle) -> None:
         """What the engine runs, from the engine itself: its base weights' version (``/model_info``) and
@@ -214,7 +210,7 @@ class Lifecycle:
                     continue
                 h.record.pid = h.process.pid
                 h.record.versions, h.record.adapters = {}, {}
-                h.client = self.client(h.record.url)
+                h.client = self.core.engine_client(h.record.url)
                 await self.core.transition(h, S.LAUNCHING, self.core.event(
                     EngineLaunching, engine_id=h.engine_id, url=h.record.url, backend=h.record.backend,
                     managed=True))

@@ -4,7 +4,8 @@ Each ``ControllerMetrics`` owns its ``CollectorRegistry`` (no process-global sta
 several controllers, in tests or side by side, never collide on metric names).
 ``serve(port)`` exposes them on ``/metrics``: engines per state, the latency of each
 health check (by outcome) and of each round over all engines, the duration of each weight update over
-all serving engines (by policy and outcome), weight-update failures, engine restarts.
+all serving engines (by policy and outcome), weight-update failures, engine restarts, and what the
+janitor removed (stream entries by stream, payloads by store kind, expired groups by stream).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class ControllerMetrics:
             ["policy", "kind"], registry=self.registry)
         self.engine_restarts = Counter(
             "rollout_bus_controller_engine_restarts", "Engine relaunches", registry=self.registry)
+        self.janitor_removed = Counter(
+            "rollout_bus_controller_janitor_removed",
+            "What the janitor removed: stream entries (by stream), payloads (by store kind), groups (by stream)",
+            ["what", "where"], registry=self.registry)
+        self.janitor_seconds = Histogram(
+            "rollout_bus_controller_janitor_seconds", "Duration of one janitor pass",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
         self._server: Any = None
         for state in EngineState:
             self.engine_states.labels(state.value).set(0)

@@ -3,8 +3,9 @@
 Lifecycle: ``start()`` rebuilds the view (engine event log + registry + each engine's
 ``/model_info``; the base policy gets a launch record when the registry has none),
 adopts live engines, replaces dead ones it launched, launches the missing ones, then
-runs three loops: health checks, ``WeightsPublished`` intake and
-offload/onload commands. ``stop()`` ends the loops and, unless told to keep them,
+runs its loops: health checks, ``WeightsPublished`` intake,
+offload/onload commands and the janitor (``events.janitor``: retention, payload sweep,
+expired groups; reported as metrics and events). ``stop()`` ends the loops and, unless told to keep them,
 stops the engines it launched. Only one instance per namespace should be started:
 ``controller.runner`` holds the lease that ensures it.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -30,9 +32,10 @@ from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.updates import WeightUpdater
 from rollout_bus.controller.versions import Target
 from rollout_bus.controller.weights import BadWeights, verify
-from rollout_bus.engine.http_client import EngineClient, EngineHTTPError, close_shared_session
+from rollout_bus.engine.http_client import EngineHTTPError, close_shared_session
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.janitor import Janitor, JanitorConfig, JanitorReport
 from rollout_bus.events.names import Keys
 from rollout_bus.events.registry import EngineState, PolicyRecord
 from rollout_bus.events.schema import (
@@ -63,13 +66,17 @@ class InferenceController:
     _stopping: asyncio.Event | None
 
     def __init__(self, config: ControllerConfig, client: Redis, *,
-                 metrics: ControllerMetrics | None = None) -> None:
+                 metrics: ControllerMetrics | None = None, fence: int | None = None) -> None:
+        """``fence``: the fencing token of the lease this instance holds (``controller.lease``); every
+        registry write and engine call carries it. None (tests, one-off tools): unfenced."""
         self.config = config.validate()
         keys = Keys(config.namespace)
         producer = Producer("controller", f"{config.instance}-{os.getpid()}")
-        bus = ControllerBus(client, keys, producer, config.instance)
+        bus = ControllerBus(client, keys, producer, config.instance, fence=fence)
+        # no log directory given: a temporary one, removed again when the engines logging there are stopped
+        self._temp_log_dir = not config.log_dir
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix=f"rollout-bus-engines-{config.namespace}-"))
-        self.core = Core(config, bus, metrics or ControllerMetrics(), log_dir)
+        self.core = Core(config, bus, metrics or ControllerMetrics(), log_dir, fence=fence)
         self.lifecycle = Lifecycle(self.core, make_backend(config.backend), WeightUpdater(self.core, self._failed))
         self.updater = self.lifecycle.updater
         self.metrics_port = None
@@ -79,6 +86,11 @@ class InferenceController:
     @property
     def engines(self) -> dict[str, EngineHandle]:
         return self.core.engines
+
+    @property
+    def fenced(self) -> asyncio.Event:
+        """Set when a write was refused for an older fencing token: the runner steps this instance down."""
+        return self.core.bus.fenced
 
     # --- start / stop -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -92,8 +104,11 @@ class InferenceController:
         known = merge_registry(fold_engine_log(log_events), records)
         await self._reconcile_engines(known)
         await self.updater.joined()
-        self._loops = [asyncio.create_task(self._forever(name, loop), name=name) for name, loop in (
-            ("health", self._health_loop), ("weights", self._weights_loop), ("commands", self._commands_loop))]
+        loops: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("health", self._health_loop), ("weights", self._weights_loop), ("commands", self._commands_loop)]
+        if cfg.janitor_interval_s > 0:
+            loops.append(("janitor", self._janitor_loop))
+        self._loops = [asyncio.create_task(self._forever(name, loop), name=name) for name, loop in loops]
         log.info("controller up: %d engines (%s)", len(self.engines),
                  ", ".join(f"{h.engine_id}={h.state.value}" for h in self.engines.values()))
 
@@ -104,13 +119,16 @@ class InferenceController:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.core.cancel_tasks()
-        if self.config.stop_engines_on_exit if stop_engines is None else stop_engines:
+        engines_stopped = self.config.stop_engines_on_exit if stop_engines is None else stop_engines
+        if engines_stopped:
             await asyncio.gather(*(self.lifecycle.stop(h, "controller shut down", kill=True)
                                    for h in self.engines.values() if h.managed and h.state != S.STOPPED))
         for h in self.engines.values():
             if h.process is not None:
                 h.process.close_log()
-        self.core.bus.close()
+        if engines_stopped and self._temp_log_dir:
+            shutil.rmtree(self.core.log_dir, ignore_errors=True)
+        self.core.bus.close(wait=stop_engines is not False)  # stepping down: a write stuck on Redis is fenced anyway
         self.core.metrics.close()
         await close_shared_session()
 
@@ -176,13 +194,13 @@ class InferenceController:
 
     async def _probe(self, engine: KnownEngine) -> dict[str, object] | None:
         try:
-            return await self.lifecycle.client(engine.url).model_info(timeout_s=self.config.health_timeout_s)
+            return await self.core.engine_client(engine.url).model_info(timeout_s=self.config.health_timeout_s)
         except EngineHTTPError:
             return None
 
     async def _take_over(self, engine: KnownEngine, info: dict[str, object] | None, wanted: bool) -> None:
         """Adopt a live engine from the view, replace a dead one, retire an unwanted one."""
-        port = EngineClient(engine.url).url.rsplit(":", 1)[-1]
+        port = engine.url.rstrip("/").rsplit(":", 1)[-1]
         process = None
         if engine.managed and engine.pid is not None and pid_alive(engine.pid, int(port) if port.isdigit() else None):
             process = ProcessHandle(engine.pid)
@@ -309,6 +327,31 @@ class InferenceController:
                     continue
                 self.updater.inflight.add(msg.id)
                 await self.updater.submit(msg.event, msg.id)
+
+    async def _janitor_loop(self) -> None:
+        cfg = self.config
+        janitor = Janitor(self.core.bus.client, self.core.bus.keys, self.core.bus.publisher, JanitorConfig(
+            interval_s=cfg.janitor_interval_s, max_len=cfg.retention_max_len or None,
+            max_age_s=cfg.retention_max_age_s or None, payload_max_age_s=cfg.payload_max_age_s,
+            payload_roots=tuple(cfg.payload_roots)))
+        try:
+            while True:
+                await asyncio.sleep(cfg.janitor_interval_s)
+                self.record_janitor(await asyncio.to_thread(janitor.run_once))
+        finally:
+            janitor.close()
+
+    def record_janitor(self, report: JanitorReport) -> None:
+        metrics = self.core.metrics
+        metrics.janitor_seconds.observe(report.seconds)
+        for stream, n in report.trimmed.items():
+            metrics.janitor_removed.labels("stream_entries", stream).inc(n)
+        for kind, n in report.swept.payloads.items():
+            metrics.janitor_removed.labels("payloads", kind).inc(n)
+        if report.swept.leftovers:
+            metrics.janitor_removed.labels("payload_leftovers", "stores").inc(report.swept.leftovers)
+        for expired in report.expired:
+            metrics.janitor_removed.labels("groups", expired.stream).inc()
 
     async def _commands_loop(self) -> None:
         while True:

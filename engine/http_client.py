@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
 UNFLUSHED_PREFIX = "Weights were updated, but the cache was not flushed"
 UNKNOWN_ADAPTER_MARK = "has never been loaded"
+FENCE_HEADER = "X-Rollout-Bus-Fence"
+"""The controller's fencing token on every call it makes; the CPU engine refuses (409) one older than the
+highest it has seen (SGLang ignores the header)."""
 _sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
     weakref.WeakKeyDictionary())
 
@@ -67,6 +70,11 @@ class EngineHTTPError(Failure):
         """A 400 for a ``lora_path`` the engine has not loaded (or is unloading)."""
         return self.status == 400 and UNKNOWN_ADAPTER_MARK in self.message
 
+    @property
+    def fenced(self) -> bool:
+        """The engine refused a call whose fencing token is older than one it has seen."""
+        return self.status == 409 and self.message.startswith("fenced")
+
 
 def shared_session() -> aiohttp.ClientSession:
     """The pooled session of the running event loop, created on first use."""
@@ -90,11 +98,17 @@ class EngineClient:
     """The native API of one engine at ``url`` (``http://host:port``)."""
 
     def __init__(self, url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 session: aiohttp.ClientSession | None = None, api_key: str | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, api_key: str | None = None,
+                 fence: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._session = session
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        headers: dict[str, str] = {}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        if fence is not None:
+            headers[FENCE_HEADER] = str(fence)
+        self._headers = headers or None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.url!r})"

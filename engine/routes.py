@@ -21,6 +21,7 @@ from aiohttp import web
 
 from rollout_bus.engine.control import Control
 from rollout_bus.engine.errors import BadRequest, EngineError, Unavailable
+from rollout_bus.engine.http_client import FENCE_HEADER
 from rollout_bus.engine.protocol import Limits, SamplingParams, SequenceSpec, parse_generate, parse_json
 from rollout_bus.engine.replies import generate_reply
 from rollout_bus.engine.runtime import ENGINE_VERSION, Engine
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+FENCE_SEEN = web.AppKey("fence_seen", dict)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -59,6 +61,23 @@ def api_key_middleware(key: str) -> Any:
         return await handler(request)
 
     return check
+@web.middleware
+async def fence_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A call carrying a controller's fencing token older than the highest seen is refused (409)."""
+    raw = request.headers.get(FENCE_HEADER)
+    if raw is None:
+        return await handler(request)
+    try:
+        token = int(raw)
+    except ValueError:
+        return web.json_response({"error": {"message": f"{FENCE_HEADER} must be an integer, got {raw!r}"}},
+                                 status=400)
+    seen = request.app[FENCE_SEEN]
+    if token < seen["highest"]:
+        return web.json_response({"success": False, "message": f"fenced: token {token} is older than "
+                                  f"{seen['highest']}: another controller took over"}, status=409)
+    seen["highest"] = token
+    return await handler(request)
 
 
 class Routes:
@@ -236,10 +255,11 @@ class Routes:
 
 
 def build_app(engine: Engine) -> web.Application:
-    middlewares = [error_middleware]
+    middlewares = [fence_middleware, error_middleware]
     if engine.args.api_key:
         middlewares.insert(0, api_key_middleware(engine.args.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=16 * 1024 * 1024)
+    app[FENCE_SEEN] = {"highest": 0}
     Routes(engine).add_to(app)
     Control(engine).add_to(app)
 

@@ -1,22 +1,33 @@
 """Claim-checked sample batches: payload in a store, a ``BatchReady`` event on the policy's stream.
 
-Publishing writes the payload, then one Lua script appends the event (deduplicated by
-batch id), records the groups that must read it (the stream's registered groups at that
-moment) under ``keys.payload_readers(ref)`` and indexes the ref by time. Each group calls
-``release`` after it has used (and acked) the batch; the last release deletes the payload
-(atomically in the script for the redis store, right after it for file stores). ``delete_expired``
-deletes payloads older than an age whatever their readers (a group that died, a crash
-between ack and release), and redis payloads carry a TTL besides, so no orphan lives
-forever. The index and ``delete_expired`` use the Redis server's clock, not the hosts'.
+Publishing writes the payload under a ref of its own attempt (``<policy>:<batch_id>:<attempt>``),
+then one Lua script appends the event (deduplicated by batch id), records the groups that must
+read it (the stream's registered groups at that moment) under ``keys.payload_readers(ref)``.
+Two live attempts of one job (a reap by mistake, a retry racing a slow first try) therefore
+never write the same bytes: the idempotent append picks the winner, and the loser deletes its
+own copy. Each ref is indexed by time (``keys.payload_index``) and by where it lives
+(``keys.payload_stores``: store kind, root, host) from before its bytes are written, so even a
+producer that dies between payload and event leaves nothing that ``delete_expired`` cannot find.
+
+Each group calls ``release`` after it has used the batch; the last release deletes the payload
+(atomically in the script for the redis store, right after it for file stores).
+``delete_expired`` deletes payloads older than an age whatever their readers (a group that died,
+a crash between use and release), through a store of the kind the index names (redis, shm on
+this host, or a file store under a root it is given), and redis payloads carry a TTL besides, so
+no orphan lives forever. The index and ``delete_expired`` use the Redis server's clock.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import msgpack
 import redis
 
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
@@ -25,6 +36,9 @@ from rollout_bus.events.errors import DecodeError, PayloadMissing
 from rollout_bus.events.names import Keys, check_name
 from rollout_bus.events.payload import make_store
 from rollout_bus.events.payload.base import PayloadStore, Reference, check_ref, make_ref
+from rollout_bus.events.payload.file import FileStore
+from rollout_bus.events.payload.shm import DEFAULT_ROOT as SHM_ROOT
+from rollout_bus.events.payload.shm import ShmStore
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import BatchReady, Producer
 from rollout_bus.events.schema import encode as encode_event
@@ -33,23 +47,30 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PAYLOAD_TTL_S = 24 * 3600
 
-# KEYS[1] dedupe key, KEYS[2] payload index; ARGV[1] ref.
-# Returns the existing entry id of a batch published before, else reserves the ref in the index.
+# KEYS[1] dedupe key, KEYS[2] payload index, KEYS[3] payload stores; ARGV[1] ref, ARGV[2] locator.
+# Returns the existing entry id of a batch published before, else indexes the ref (time, place).
 _RESERVE = """
 local prev = redis.call('GET', KEYS[1])
 if prev then return prev end
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[2], 'NX', t[1] .. string.format('%06d', tonumber(t[2])):sub(1, 3), ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
 return false
 """
 
-# KEYS[1] stream, KEYS[2] dedupe, KEYS[3] readers, KEYS[4] index, KEYS[5] registered groups;
+# KEYS[1] stream, KEYS[2] dedupe, KEYS[3] readers, KEYS[4] registered groups, KEYS[5] index,
+# KEYS[6] payload stores, KEYS[7..] this attempt's payload keys in this Redis (if any);
 # ARGV[1] dedupe ttl s, ARGV[2] readers ttl s, ARGV[3] maxlen (0 = none), ARGV[4] ref,
-# ARGV[5..] field, value pairs. Returns {entry id, 1, 1} when appended, and on a repeat
-# {existing id, 0, 1 if the ref is still indexed (its payload is meant to be alive) else 0}.
+# ARGV[5..] field, value pairs. Returns {entry id, 1} when appended; on a repeat {existing id, 0},
+# with this attempt's ref unindexed and its keys in Redis deleted (the caller deletes other bytes).
 _PUBLISH = """
 local prev = redis.call('GET', KEYS[2])
-if prev then return {prev, 0, redis.call('ZSCORE', KEYS[4], ARGV[4]) and 1 or 0} end
+if prev then
+  redis.call('ZREM', KEYS[5], ARGV[4])
+  redis.call('HDEL', KEYS[6], ARGV[4])
+  if #KEYS > 6 then redis.call('DEL', unpack(KEYS, 7)) end
+  return {prev, 0}
+end
 local id
 if tonumber(ARGV[3]) > 0 then
   id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 5))
@@ -57,28 +78,41 @@ else
   id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
 end
 redis.call('SET', KEYS[2], id, 'EX', tonumber(ARGV[1]))
-local groups = redis.call('SMEMBERS', KEYS[5])
+local groups = redis.call('SMEMBERS', KEYS[4])
 if #groups > 0 then
   redis.call('SADD', KEYS[3], unpack(groups))
   redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
 end
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[4], 'NX', t[1] .. string.format('%06d', tonumber(t[2])):sub(1, 3), ARGV[4])
-return {id, 1, 1}
+return {id, 1}
 """
 
-# KEYS[1] readers, KEYS[2] index, KEYS[3..] payload keys living in this Redis; ARGV[1] group,
-# ARGV[2] ref. Returns 1 when no reader is left: the payload keys and the index entry are
-# gone, or (with no payload keys) the caller deletes the payload and then the index entry.
+# KEYS[1] readers, KEYS[2] index, KEYS[3] payload stores, KEYS[4..] payload keys living in this Redis;
+# ARGV[1] group, ARGV[2] ref. Returns 1 when no reader is left: the payload keys and the index entries
+# are gone, or (with no payload keys) the caller deletes the payload and then the index entries.
 _RELEASE = """
 redis.call('SREM', KEYS[1], ARGV[1])
 if redis.call('SCARD', KEYS[1]) > 0 then return 0 end
-if #KEYS > 2 then
-  redis.call('DEL', unpack(KEYS, 3))
+if #KEYS > 3 then
+  redis.call('DEL', unpack(KEYS, 4))
   redis.call('ZREM', KEYS[2], ARGV[2])
+  redis.call('HDEL', KEYS[3], ARGV[2])
 end
 return 1
 """
+
+
+@dataclass
+class Swept:
+    """What ``delete_expired`` removed: payloads by store kind, leftovers (temp files, pooled segments),
+    and refs it found but cannot reach from here (another host's shared memory, an unknown file root)."""
+
+    payloads: dict[str, int] = field(default_factory=dict)
+    leftovers: int = 0
+    unreachable: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.payloads.values()) + self.leftovers
 
 
 class BatchChannel:
@@ -109,15 +143,18 @@ class BatchChannel:
         """Store the batch and append its ``BatchReady``; returns the stream entry id.
 
         Idempotent by ``batch_id``: a repeat returns the first entry's id and leaves neither a
-        second entry nor a second payload. ``n_samples`` defaults to the leading dimension of
-        the first field (rows, for a ragged field).
+        second entry nor a second payload, even when two attempts run at once (each writes under
+        its own ref; the one whose event lands first wins). ``n_samples`` defaults to the leading
+        dimension of the first field (rows, for a ragged field).
         """
-        ref = make_ref(policy, batch_id)
+        ref = make_ref(policy, batch_id, os.urandom(6).hex())
         stream = self.keys.batch_stream(policy)
         dedupe = self.keys.dedupe(stream, batch_id)
         # PayloadTooLarge before any I/O; the store hashes while it writes (see EncodedBatch.finish)
         encoded = encode(tensors, meta, max_bytes=self.max_bytes, defer_checksum=True)
-        prev = self.guard.call(lambda c: self._reserve(keys=[dedupe, self.keys.payload_index], args=[ref], client=c))
+        locator = msgpack.packb(self.store.locator(), use_bin_type=True)
+        prev = self.guard.call(lambda c: self._reserve(
+            keys=[dedupe, self.keys.payload_index, self.keys.payload_stores], args=[ref, locator], client=c))
         if prev:
             return as_str(prev)
         reference = self.store.put(ref, encoded, self.payload_ttl_s)
@@ -129,15 +166,15 @@ class BatchChannel:
         args: list[Any] = [self.publisher.dedupe_ttl_s, self.payload_ttl_s + 3600, maxlen, ref]
         for k, v in encode_event(event).items():
             args += [k, v]
-        script_keys = [stream, dedupe, self.keys.payload_readers(ref), self.keys.payload_index,
-                       self.keys.registered_groups(stream)]
-        entry_id, appended, indexed = self.guard.call(
-            lambda c: self._publish(keys=script_keys, args=args, client=c))
-        if not appended and not indexed:
-            # a concurrent publish of this batch won and was already fully released: ours is an orphan
-            log.info("batch %s was published concurrently and already released; dropping the copy", ref)
-            self.store.delete(reference)
-            self.guard.call(lambda c: c.zrem(self.keys.payload_index, ref))
+        inline = self.store.redis_keys(reference)
+        script_keys = [stream, dedupe, self.keys.payload_readers(ref), self.keys.registered_groups(stream),
+                       self.keys.payload_index, self.keys.payload_stores, *inline]
+        entry_id, appended = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))
+        if not appended:
+            log.info("batch %s of %s was published by another attempt first; dropping this attempt's copy",
+                     batch_id, policy)
+            if not inline:
+                self.store.delete(reference)
         return as_str(entry_id)
 
     # --- consuming ---------------------------------------------------------------------
@@ -160,14 +197,24 @@ class BatchChannel:
         check_name("group", group)
         store = self.store_for(reference)
         inline = store.redis_keys(reference)
-        script_keys = [self.keys.payload_readers(ref), self.keys.payload_index, *inline]
+        script_keys = [self.keys.payload_readers(ref), self.keys.payload_index, self.keys.payload_stores, *inline]
         last = self.guard.call(lambda c: self._release(keys=script_keys, args=[group, ref], client=c))
         if not last:
             return False
         if not inline:
             store.delete(reference)
-            self.guard.call(lambda c: c.zrem(self.keys.payload_index, ref))
+            self._forget(ref)
         return True
+
+    def _forget(self, ref: str) -> None:
+        """Drop ``ref`` from the payload index (time and place) and its reader set."""
+        def run(c: redis.Redis) -> None:
+            pipe = c.pipeline(transaction=True)
+            pipe.delete(self.keys.payload_readers(ref))
+            pipe.zrem(self.keys.payload_index, ref)
+            pipe.hdel(self.keys.payload_stores, ref)
+            pipe.execute()
+        self.guard.call(run)
 
     def store_for(self, reference: Reference) -> PayloadStore:
         """The store holding a payload: this channel's, or one of the kind the reference names."""
@@ -191,30 +238,150 @@ class BatchChannel:
         return {as_str(m) for m in members}
 
     # --- housekeeping ------------------------------------------------------------------
-    def delete_expired(self, max_age_s: float, *, limit: int = 1000) -> int:
-        """Delete payloads published more than ``max_age_s`` ago, read or not; returns how many."""
+    def delete_expired(self, max_age_s: float, *, roots: Iterable[str] = (), limit: int = 1000) -> int:
+        """Delete payloads published more than ``max_age_s`` ago, read or not; returns how many
+        (see ``sweep`` for the counts by kind)."""
+        return self.sweep(max_age_s, roots=roots, limit=limit).total
+
+    def sweep(self, max_age_s: float, *, roots: Iterable[str] = (), limit: int = 1000) -> Swept:
+        """Delete payloads older than ``max_age_s`` of every store kind the index names.
+
+        Each payload is deleted through a store of the kind it was written to: the redis store, the
+        shared-memory store of this host (its default root or one of ``roots``), or a file store
+        under one of ``roots``. Locations come from Redis, so only those are trusted: a ref whose
+        store cannot be reached from here is left indexed and counted as unreachable. Leftovers of
+        the reachable stores older than ``max_age_s`` (temp files, pooled segments) go too.
+        """
+        places = _Places(self, roots)
         sec, usec = self.guard.call(lambda c: c.time())
         cutoff_ms = int(sec) * 1000 + int(usec) // 1000 - int(max_age_s * 1000)
-        removed = 0
+        out = Swept()
+        start = 0
         while True:
-            refs = self.guard.call(lambda c: c.zrangebyscore(self.keys.payload_index, "-inf", cutoff_ms,
-                                                              start=0, num=limit))
-            for raw in refs:
-                ref = as_str(raw)
-                log.warning("deleting payload %s: not released by every group within %.0fs", ref, max_age_s)
-                self.store.delete(self.store.locate(ref))
-
-                def forget(c: redis.Redis, r: str = ref) -> None:
-                    pipe = c.pipeline(transaction=True)
-                    pipe.delete(self.keys.payload_readers(r))
-                    pipe.zrem(self.keys.payload_index, r)
-                    pipe.execute()
-                self.guard.call(forget)
-                removed += 1
+            offset = start
+            refs = [as_str(r) for r in self.guard.call(lambda c: c.zrangebyscore(  # noqa: B023
+                self.keys.payload_index, "-inf", cutoff_ms, start=offset, num=limit))]  # noqa: B023
+            if not refs:
+                break
+            kept = 0
+            for kind in self._delete_located(refs, places, f"older than {max_age_s:.0f}s"):
+                if kind is None:
+                    out.unreachable += 1
+                    kept += 1
+                else:
+                    out.payloads[kind] = out.payloads.get(kind, 0) + 1
             if len(refs) < limit:
                 break
-        removed += self.store.delete_expired(max_age_s)
-        return removed
+            start += kept  # refs that stay indexed are skipped on the next page
+        for store in places.reachable():
+            out.leftovers += store.delete_expired(max_age_s)
+        if out.unreachable:
+            log.warning("%d expired payload(s) live in stores this process cannot reach (another host's shared "
+                        "memory, or a file root it was not given): left to a janitor that can", out.unreachable)
+        return out
+
+    def drop_reader(self, policy: str, group: str, *, roots: Iterable[str] = (), page_size: int = 1000) -> int:
+        """Remove ``group`` from the readers of every payload of ``policy`` (a group that is gone); payloads
+        left without a reader are deleted. Returns how many payloads it was a reader of."""
+        check_name("group", group)
+        prefix = f"{check_name('policy', policy)}:"
+        places = _Places(self, roots)
+        released = 0
+        start = 0
+        while True:
+            offset = start
+            refs = [as_str(r) for r in self.guard.call(lambda c: c.zrange(  # noqa: B023
+                self.keys.payload_index, offset, offset + page_size - 1))]  # noqa: B023
+            mine = [r for r in refs if r.startswith(prefix)]
+            if mine:
+                def srem(c: redis.Redis, rs: list[str] = mine) -> list[Any]:
+                    pipe = c.pipeline(transaction=False)
+                    for r in rs:
+                        pipe.srem(self.keys.payload_readers(r), group)
+                        pipe.scard(self.keys.payload_readers(r))
+                    return pipe.execute()
+                replies = self.guard.call(srem)
+                removed = [r for i, r in enumerate(mine) if replies[2 * i]]
+                released += len(removed)
+                orphaned = [r for i, r in enumerate(mine) if replies[2 * i] and not replies[2 * i + 1]]
+                gone = sum(kind is not None for kind in self._delete_located(orphaned, places, f"group {group} left"))
+                start += page_size - gone
+            else:
+                start += page_size
+            if len(refs) < page_size:
+                break
+        return released
+
+    def _delete_located(self, refs: list[str], places: _Places, why: str) -> list[str | None]:
+        """Delete each payload through the store its index entry names; the store kind of each, None
+        where that store cannot be reached from here (the ref then stays indexed)."""
+        if not refs:
+            return []
+        located = self.guard.call(lambda c: c.hmget(self.keys.payload_stores, refs))
+        out: list[str | None] = []
+        for ref, raw in zip(refs, located, strict=True):
+            store = places.store(_locator(raw))
+            if store is None:
+                out.append(None)
+                continue
+            log.warning("deleting payload %s (%s store): %s", ref, store.name, why)
+            try:
+                store.delete(store.locate(ref))
+            except DecodeError as exc:
+                log.warning("payload %s: %s", ref, exc.reason)
+            self._forget(ref)
+            out.append(store.name)
+        return out
+
+
+class _Places:
+    """Stores reachable from this process for recorded payload locations (see ``PayloadStore.locator``)."""
+
+    def __init__(self, channel: BatchChannel, roots: Iterable[str]) -> None:
+        self.channel = channel
+        self.allowed = {str(Path(r).resolve()) for r in roots}
+        self.opened: dict[tuple[str, str | None, str | None], PayloadStore | None] = {}
+
+    def store(self, locator: Mapping[str, Any]) -> PayloadStore | None:
+        key = (str(locator.get("store")), locator.get("root"), locator.get("host"))
+        if key not in self.opened:
+            self.opened[key] = self._open(locator)
+        return self.opened[key]
+
+    def reachable(self) -> list[PayloadStore]:
+        stores = [self.channel.store, *(s for s in self.opened.values() if s is not None)]
+        return list({id(s): s for s in stores}.values())
+
+    def _open(self, locator: Mapping[str, Any]) -> PayloadStore | None:
+        kind, root, host = locator.get("store"), locator.get("root"), locator.get("host")
+        own = self.channel.store
+        if kind is None:  # indexed before locations were recorded: the channel's own kind
+            return own
+        mine = own.locator()
+        if (kind, root, host) == (mine["store"], mine["root"], mine["host"]):
+            return own
+        if kind == "redis":
+            return self.channel.store_for({"store": "redis"})
+        if not isinstance(root, str):
+            return None
+        resolved = str(Path(root).resolve())
+        if kind == "shm" and host == socket.gethostname() and (
+                resolved in self.allowed or resolved == str(Path(SHM_ROOT).resolve())):
+            return ShmStore(self.channel.keys, resolved)
+        if kind == "file" and resolved in self.allowed:
+            return FileStore(resolved, self.channel.keys)
+        return None
+
+
+def _locator(raw: Any) -> dict[str, Any]:
+    """A recorded payload location (see ``PayloadStore.locator``); {} when absent or unreadable."""
+    if not raw:
+        return {}
+    try:
+        value = msgpack.unpackb(raw, raw=False)
+    except Exception:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _n_samples(tensors: Mapping[str, Any]) -> int:

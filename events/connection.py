@@ -7,6 +7,11 @@ connection is lost and once when it is back, and raises ``BusUnavailable`` when 
 budget is spent. Any other driver error becomes ``RedisCommandError``. ``Lane`` is a hot
 path's kept connection for commands it packs itself (``pack``); ``raise_errors`` and
 ``as_str`` read what comes back.
+
+``Guard`` is the one retry layer: clients from ``connect`` never re-send a command on their
+own (redis-py's retry is off unless asked for), so a reply lost with its connection always
+surfaces as an outage the guard counts. Consumers rely on that: a read whose reply died may
+have delivered entries, and an outage is their cue to page through their own pending list.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any, TypeVar
 
 import redis
 from hiredis import pack_command as _pack_command
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from rollout_bus.events.errors import BusUnavailable, RedisCommandError
@@ -40,10 +45,17 @@ def redis_url(url: str | None = None) -> str:
     return url or os.environ.get("REDIS_URL") or DEFAULT_URL
 
 
-def connect(url: str | None = None, *, socket_timeout_s: float | None = 30.0) -> redis.Redis:
-    """A client for ``url`` (or ``$REDIS_URL``); replies are bytes, never decoded."""
+def connect(url: str | None = None, *, socket_timeout_s: float | None = 30.0, retries: int = 0) -> redis.Redis:
+    """A client for ``url`` (or ``$REDIS_URL``); replies are bytes, never decoded.
+
+    ``retries`` > 0 lets redis-py send a command again after a connection error, for code the
+    project does not guard itself (rq's worker); the project's own commands go through
+    ``Guard``, which sees every lost reply only if nothing below it re-sends silently.
+    """
     target = redis_url(url)
     tcp: dict[str, Any] = {} if target.startswith("unix://") else {"socket_keepalive": True}
+    retry = (Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=retries) if retries > 0
+             else Retry(NoBackoff(), retries=0))
     return redis.Redis.from_url(
         target,
         decode_responses=False,
@@ -51,8 +63,8 @@ def connect(url: str | None = None, *, socket_timeout_s: float | None = 30.0) ->
         socket_timeout=socket_timeout_s,
         health_check_interval=15,
         **tcp,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=2),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        retry=retry,
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError] if retries > 0 else [],
     )
 
 
@@ -192,22 +204,22 @@ def _give_back(pool: Any, held: list[Any]) -> None:
 
 
 def _exchange(conn: Any, packed: bytes, replies: int) -> list[Any]:
-    chunks = [packed]
-
-    def attempt() -> list[Any]:
-        conn.send_packed_command(chunks)
-        out: list[Any] = []
+    """Send once and read ``replies`` replies; on a connection error disconnect and raise (never re-send)."""
+    out: list[Any] = []
+    try:
+        conn.send_packed_command([packed])
         for _ in range(replies):
             try:
                 out.append(conn.read_response())
             except redis.ResponseError as exc:  # the error reply has been read in full: keep going
                 out.append(exc.with_traceback(None))  # no frames kept alive through a cycle via ``out``
-        return out
-    try:
-        return conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())  # type: ignore[no-any-return]
+    except BaseException:
+        conn.disconnect()  # a half-read reply would put the next command out of step
+        raise
     finally:
         if conn.should_reconnect():
             conn.disconnect()
+    return out
 
 
 def raise_errors(replies: list[Any]) -> list[Any]:

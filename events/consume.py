@@ -6,6 +6,13 @@ its own pending entries, then takes over entries other consumers left idle for
 decoded is dead-lettered at once; an entry delivered more than ``max_deliveries``
 times is dead-lettered with that reason; either way it is acked, so it never blocks
 the entries behind it and never crashes the consumer.
+
+A consumer that holds entries for a while before acking them (a trainer's buffer) keeps
+them from being reclaimed with ``touch``. Each group's registration is kept alive by its
+consumers' reads (a heartbeat every quarter of ``group_ttl_s`` in ``keys.group_beats``); the
+janitor expires a registration whose beats stopped (``events.janitor``), so a reader that left
+does not pin every later entry and payload. A reader that never reads but must keep entries
+(a payload hold for export) registers with ``register_group`` alone and has no beat to lapse.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class ConsumerConfig:
     max_deliveries: int = 5
     start_id: str = "0"
     auto_ack: bool = True
+    group_ttl_s: float | None = 900.0
+    """The group's registration lapses when none of its consumers read for this long; None: it never does."""
 
 
 @dataclass
@@ -81,6 +90,8 @@ class Consumer:
         self._claim_cursor = "0-0"
         self._group_ready = False
         self._unacked: list[str] = []  # handled in run(): acked together with the next read
+        self._beat_due = 0.0
+        self._beat = client.register_script(_BEAT)
         self.dead_lettered = 0
 
     # --- group management -------------------------------------------------------------
@@ -88,12 +99,32 @@ class Consumer:
         """Create the group (idempotent) and register it as a reader the stream must keep entries for."""
         self.guard.call(lambda c: register_group(c, self.keys, self.stream, self.group, self.config.start_id))
         self._group_ready = True
+        self._beat_due = 0.0
+        self.beat()
+
+    def beat(self) -> None:
+        """Tell the janitor this group still has a live consumer (at most every quarter of ``group_ttl_s``)."""
+        ttl = self.config.group_ttl_s
+        now = time.monotonic()
+        if ttl is None or now < self._beat_due:
+            return
+        self.guard.call(lambda c: self._beat(keys=[self.keys.group_beats(self.stream)],
+                                             args=[self.group, int(ttl * 1000)], client=c))
+        self._beat_due = now + ttl / 4
+
+    def touch(self, *ids: str) -> None:
+        """Reset the idle time of entries this consumer holds, so that no claim takes them (nor counts a
+        delivery): ``XCLAIM ... JUSTID`` to ourselves."""
+        if ids:
+            self.guard.call(lambda c: c.xclaim(self.stream, self.group, self.name, min_idle_time=0,
+                                               message_ids=list(ids), justid=True))
 
     # --- reading ----------------------------------------------------------------------
     def read(self, block_ms: int | None = None, count: int | None = None) -> list[Message]:
         """The next entries for this consumer: own pending first, then idle ones of others, then new."""
         if not self._group_ready:
             self.ensure_group()
+        self.beat()
         count = count or self.config.count
         try:
             return self._read(block_ms if block_ms is not None else self.config.block_ms, count)
@@ -343,3 +374,11 @@ def register_group(c: redis.Redis, keys: Keys, stream: str, group: str, start_id
     created = create_group(c, stream, group, start_id)
     c.sadd(keys.registered_groups(stream), group)
     return created
+
+
+# KEYS[1] group beats; ARGV[1] group, ARGV[2] ttl ms. The registration lapses at now + ttl (Redis clock).
+_BEAT = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""

@@ -38,6 +38,10 @@ class RedisCommandError(Failure):
     """Redis answered a command with an error."""
 
 
+class Fenced(Failure):
+    """A write carried a fencing token older than the current one: another controller took over."""
+
+
 class DecodeError(Failure):
     """An entry or payload could not be decoded; carries the raw data and the reason."""
 

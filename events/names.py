@@ -76,9 +76,14 @@ class Keys:
     def dead_letters(self) -> str:
         return self._k("stream", "dead-letters")
 
+    @property
+    def housekeeping_stream(self) -> str:
+        """What the janitor removed: streams trimmed, payloads swept, groups expired."""
+        return self._k("stream", "housekeeping")
+
     def event_streams(self) -> list[str]:
         return [self.engine_stream, self.weight_stream, self.command_stream, self.rollout_stream,
-                self.trainer_stream]
+                self.trainer_stream, self.housekeeping_stream]
 
     # --- keys ------------------------------------------------------------------------
     def dedupe(self, stream: str, key: str) -> str:
@@ -106,9 +111,18 @@ class Keys:
         """Sorted set of live payload refs by creation time (ms), for ``BatchChannel.delete_expired``."""
         return self._k("payload-index")
 
+    @property
+    def payload_stores(self) -> str:
+        """Hash ref -> where the payload lives (store kind, root, host), beside ``payload_index``."""
+        return self._k("payload-stores")
+
     def registered_groups(self, stream: str) -> str:
         """Set of consumer groups that must read every entry of ``stream`` (retention, payloads)."""
         return self._k("groups", self._local(stream))
+
+    def group_beats(self, stream: str) -> str:
+        """Sorted set group -> the time (ms, Redis clock) its registration lapses unless a consumer beats."""
+        return self._k("group-beats", self._local(stream))
 
     def _local(self, stream: str) -> str:
         """``stream`` without this namespace's prefix (a foreign name is kept whole)."""
@@ -128,6 +142,15 @@ class Keys:
     @property
     def controller_lease(self) -> str:
         return self._k("lease", "controller")
+
+    @property
+    def controller_fence(self) -> str:
+        """The fencing token: incremented by every controller that takes the lease, never reset."""
+        return self._k("lease", "controller", "fence")
+
+    def trainer_lease(self, policy: str) -> str:
+        """Hash of the trainer ranks holding ``policy`` (one active trainer per policy)."""
+        return self._k("lease", "trainer", check_name("policy", policy))
 
     def data_cursor(self, policy: str, source: str) -> str:
         """Saved state of one executor data source."""
@@ -156,6 +179,7 @@ def _fixed_streams(keys: Keys) -> dict[str, str]:
     return {
         "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
         "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
+        "housekeeping": keys.housekeeping_stream,
     }
 
 

@@ -19,7 +19,8 @@ def alive(pid: int, *, cmdline_has: str | None = None) -> bool:
 
     A zombie that is our child is reaped (``waitpid`` with ``WNOHANG``); any other zombie is
     recognised by its ``/proc/<pid>/stat`` state. A process of another user (``kill``
-    answers ``PermissionError``) counts as alive, unchecked. ``cmdline_has`` (a port, a
+    answers ``PermissionError``) is not one of ours (the project runs its processes as one
+    user): the pid was reused, and it counts as gone. ``cmdline_has`` (a port, a
     module name) guards against a pid reused by an unrelated process: it must be one of
     the command line's words, its arguments split at ``.``, ``/``, ``=`` and ``:``
     (``engine`` in ``-m engine.server``, ``8000`` in ``--port 8000`` but not in ``18000``).
@@ -29,10 +30,8 @@ def alive(pid: int, *, cmdline_has: str | None = None) -> bool:
         return False  # kill(0 or -n, 0) would ask about a whole process group
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
-    except PermissionError:
-        return True
     proc = Path(f"/proc/{pid}")
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)

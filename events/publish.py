@@ -1,8 +1,17 @@
-"""Idempotent publishing: the dedupe key and the XADD in one Lua script."""
+"""Idempotent publishing: the dedupe key and the XADD in one Lua script.
+
+Dedupe keys expire. One keyed by the event id only guards against the guard's own re-send
+after a lost reply, so it lives ``RETRY_DEDUPE_TTL_S``; one keyed by a business key (request,
+batch, step) guards against a retried job or a restarted role publishing again, possibly much
+later, so it lives ``dedupe_ttl_s`` (7 days unless ``ROLLOUT_BUS_DEDUPE_TTL_S`` says otherwise:
+a deployment that keeps Redis memory tight trades that window for memory, about 1 KB per
+training step at the default).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,6 +45,24 @@ return id
 
 _Call = tuple[Sequence[Any], Sequence[Any]]  # (script keys, script args) of one EVALSHA
 
+DEFAULT_DEDUPE_TTL_S = 7 * 86400
+RETRY_DEDUPE_TTL_S = 600
+"""An event-id dedupe key outlives any re-send of ``Guard`` (60 s budget by default) by far."""
+
+
+def dedupe_ttl_from_env() -> int:
+    """``ROLLOUT_BUS_DEDUPE_TTL_S`` (seconds a business-key dedupe key lives), else 7 days."""
+    raw = os.environ.get("ROLLOUT_BUS_DEDUPE_TTL_S")
+    if not raw:
+        return DEFAULT_DEDUPE_TTL_S
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"ROLLOUT_BUS_DEDUPE_TTL_S must be a whole number of seconds, got {raw!r}") from None
+    if value < RETRY_DEDUPE_TTL_S:
+        raise ValueError(f"ROLLOUT_BUS_DEDUPE_TTL_S must be at least {RETRY_DEDUPE_TTL_S}, got {value}")
+    return value
+
 
 class Publisher:
     """Appends events to streams; a repeated idempotency key never adds a second entry.
@@ -47,11 +74,13 @@ class Publisher:
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, producer: Producer, *,
-                 dedupe_ttl_s: int = 7 * 86400, guard: Guard | None = None) -> None:
+                 dedupe_ttl_s: int | None = None, guard: Guard | None = None) -> None:
         self.client = client
         self.keys = keys
         self.producer = producer
-        self.dedupe_ttl_s = dedupe_ttl_s
+        self.dedupe_ttl_s = dedupe_ttl_from_env() if dedupe_ttl_s is None else dedupe_ttl_s
+        """Lifetime of a dedupe key given as an idempotency key (see the module docstring)."""
+        self.retry_ttl_s = min(RETRY_DEDUPE_TTL_S, self.dedupe_ttl_s)
         self.guard = guard or Guard(client, name=f"publisher {producer}")
         self._script = client.register_script(_PUBLISH)
         self._lane = Lane(client)
@@ -62,7 +91,7 @@ class Publisher:
         """Append ``event``; the idempotency key defaults to the event id, so a retry is safe."""
         raw = encode_bytes(event)
         call = ((stream, self._dedupe_key(stream, idempotency_key or event.event_id)),
-                (self.dedupe_ttl_s, maxlen, FIELD, raw))
+                (self.dedupe_ttl_s if idempotency_key else self.retry_ttl_s, maxlen, FIELD, raw))
         return self._run([call])[0]
 
     def publish_many(self, stream: str, events: Iterable[Event], *,
@@ -81,7 +110,7 @@ class Publisher:
         for i, event in enumerate(events):
             key = idempotency_keys[i] if idempotency_keys is not None else None
             calls.append(((stream, self._dedupe_key(stream, key or event.event_id)),
-                          (self.dedupe_ttl_s, maxlen, FIELD, encode_bytes(event))))
+                          (self.dedupe_ttl_s if key else self.retry_ttl_s, maxlen, FIELD, encode_bytes(event))))
         return self._run(calls) if calls else []
 
     def publish_fields(self, stream: str, fields: dict[bytes, bytes], *, idempotency_key: str | None = None,

@@ -3,6 +3,11 @@
 The controller owns these hashes and writes them on every transition (beside the
 event it publishes); executors read them to route requests, the status command to
 show them. Records are msgpack maps; an unreadable record is skipped with a warning.
+
+A registry made with a ``fence`` (the controller's fencing token, ``controller.lease``)
+writes through a Lua script that refuses the write with ``Fenced`` when the namespace's
+fencing counter has moved past the token: a controller that lost its lease cannot
+overwrite what the new one wrote.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import msgpack
 import redis
 
 from rollout_bus.events.connection import Guard
+from rollout_bus.events.errors import Fenced, RedisCommandError
 from rollout_bus.events.names import Keys
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,30 @@ def parse_adapter_name(name: str) -> tuple[str, int] | None:
     if not sep or not policy or not version.isdigit():
         return None
     return policy, int(version)
+
+
+FENCED = "FENCED"
+# KEYS[1] fencing counter, KEYS[2] hash; ARGV[1] token, ARGV[2] 'set' or 'del', ARGV[3..] fields (and values).
+_FENCED_WRITE = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if current > tonumber(ARGV[1]) then
+  return redis.error_reply('FENCED token ' .. ARGV[1] .. ' is older than ' .. current ..
+                           ': another controller holds the lease')
+end
+if ARGV[2] == 'del' then
+  return redis.call('HDEL', KEYS[2], unpack(ARGV, 3))
+end
+return redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+"""
+
+
+def fenced_error(exc: BaseException) -> Fenced | None:
+    """``exc`` as ``Fenced`` when it is a fenced write's refusal, else None."""
+    if isinstance(exc, Fenced):
+        return exc
+    if FENCED in str(exc):
+        return Fenced(str(exc))
+    return None
 
 
 class EngineState(enum.StrEnum):
@@ -116,10 +146,13 @@ class PolicyRecord:
 class Registry:
     """Read and write engine and policy records under one namespace."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, guard: Guard | None = None) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, guard: Guard | None = None, *,
+                 fence: int | None = None) -> None:
         self.client = client
         self.keys = keys
         self.guard = guard or Guard(client, name="registry")
+        self.fence = fence
+        self._fenced = client.register_script(_FENCED_WRITE) if fence is not None else None
 
     def put_engine(self, record: EngineRecord, pipe: Any = None) -> None:
         """Write ``record`` (stamped now); queued on ``pipe`` when one is given, else sent at once."""
@@ -127,7 +160,10 @@ class Registry:
         self._put(self.keys.engine_registry, record.engine_id, record.pack(), pipe)
 
     def remove_engine(self, engine_id: str) -> None:
-        self.guard.call(lambda c: c.hdel(self.keys.engine_registry, engine_id))
+        if self._fenced is None:
+            self.guard.call(lambda c: c.hdel(self.keys.engine_registry, engine_id))
+        else:
+            self._run_fenced(self.keys.engine_registry, "del", [engine_id], None)
 
     def engines(self) -> dict[str, EngineRecord]:
         return {rec.engine_id: rec for rec in self._read(self.keys.engine_registry, EngineRecord.unpack, "engine")}
@@ -147,10 +183,23 @@ class Registry:
         return self.policies().get(policy)
 
     def _put(self, key: str, name: str, packed: bytes, pipe: Any) -> None:
-        if pipe is not None:
+        if self._fenced is not None:
+            self._run_fenced(key, "set", [name, packed], pipe)
+        elif pipe is not None:
             pipe.hset(key, name, packed)
         else:
             self.guard.call(lambda c: c.hset(key, name, packed))
+
+    def _run_fenced(self, key: str, op: str, args: list[Any], pipe: Any) -> None:
+        assert self._fenced is not None
+        script_keys, script_args = [self.keys.controller_fence, key], [self.fence, op, *args]
+        if pipe is not None:  # refused at the pipeline's execute: see ``fenced_error``
+            self._fenced(keys=script_keys, args=script_args, client=pipe)
+            return
+        try:
+            self.guard.call(lambda c: self._fenced(keys=script_keys, args=script_args, client=c))  # type: ignore[misc]
+        except RedisCommandError as exc:
+            raise fenced_error(exc) or exc from None
 
     def _read(self, key: str, unpack: Callable[[bytes], R], kind: str) -> Iterator[R]:
         """Every readable record of the hash ``key``; an unreadable one is skipped with a warning."""

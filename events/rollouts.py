@@ -18,8 +18,9 @@ from typing import Any
 from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.names import check_name
 
-# rq job ids take letters, digits, '_' and '-'; 58 so that the batch id "batch-<request_id>" fits in 64
-_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,58}")
+MAX_REQUEST_ID = 58
+"""rq job ids take letters, digits, '_' and '-'; 58 so that the batch id "batch-<request_id>" fits in 64."""
+_REQUEST_ID_RE = re.compile(rf"[A-Za-z0-9_\-]{{1,{MAX_REQUEST_ID}}}")
 
 
 def now_ms() -> int:

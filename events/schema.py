@@ -2,15 +2,24 @@
 
 An event is a frozen dataclass. On the wire it is one stream field, ``e``, holding a
 msgpack map of the common header (``event_id``, ``type``, ``schema_version``,
-``ts_ms``, ``producer``) and the event's own fields. ``decode`` checks the type, the
+``ts_ms``, ``producer``, ``seq``) and the event's own fields. ``decode`` checks the type, the
 schema version and every field's presence and type, and raises ``DecodeError``
 carrying the raw entry for anything else; no other exception escapes it.
+
+``seq`` (schema version 2) numbers the events of one producer, in the order it made them,
+from 1 within each process: entry ids order events of different streams only to the
+millisecond, and a producer's sequence numbers order its own events within one. Events of
+schema version 1 (no ``seq``) still decode, with ``seq`` 0 (unknown). Fields that name
+things other roles turn into keys or paths (policy, batch, request, trainer, engine, group)
+must be safe names (``SAFE_ID``) or empty; anything else is a ``DecodeError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import re
 import threading
 import time
 import types
@@ -23,13 +32,19 @@ import msgpack
 
 from rollout_bus.events.errors import DecodeError, InvalidRequest
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 FIELD = b"e"
 MAX_EVENT_BYTES = 1 << 20
 
 E = TypeVar("E", bound="Event")
 _REGISTRY: dict[str, type[Event]] = {}
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+SAFE_ID = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,63}")
+"""A name that is safe as a key part or a single path component: no separator, no leading dot."""
+ID_FIELDS = frozenset({"policy", "batch_id", "request_id", "trainer_id", "engine_id", "group"})
+"""Event fields that other roles may turn into keys or file names: ``SAFE_ID`` or empty, checked at decode."""
 
 
 @dataclass(frozen=True)
@@ -50,18 +65,42 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+_SEQUENCES: dict[Producer, itertools.count[int]] = {}
+_SEQ_LOCK = threading.Lock()
+
+
+def next_seq(producer: Producer) -> int:
+    """The next sequence number of ``producer`` in this process (1, 2, ...)."""
+    counter = _SEQUENCES.get(producer)
+    if counter is None:
+        with _SEQ_LOCK:
+            counter = _SEQUENCES.setdefault(producer, itertools.count(1))
+    return next(counter)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Event:
-    """Common header; subclasses add their own fields."""
+    """Common header; subclasses add their own fields.
+
+    ``seq`` is given out when the event is made (-1, the default, asks for the producer's next
+    number); a decoded event keeps the one it was published with (0 for schema version 1).
+    """
 
     producer: Producer
     event_id: str = field(default_factory=_new_id)
     ts_ms: int = field(default_factory=_now_ms)
+    seq: int = -1
     schema_version: ClassVar[int] = SCHEMA_VERSION
+    since_version: ClassVar[int] = 1
+    """The first schema version that has this event type."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _REGISTRY[cls.__name__] = cls
+
+    def __post_init__(self) -> None:
+        if self.seq < 0:
+            object.__setattr__(self, "seq", next_seq(self.producer))
 
     @property
     def type(self) -> str:
@@ -263,6 +302,8 @@ class BatchConsumed(Event):
     trainer_id: str
     staleness: int
     accepted: bool
+    reason: str = ""
+    """Why a batch was not trained (``stale``, ``foreign``, ``payload_missing``...); empty when trained."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +318,37 @@ class TrainStepDone(Event):
 
 STALENESS_PREFIX = "staleness_n"
 """``TrainStepDone.metrics`` key prefix of the staleness histogram (``staleness_n0``, ``staleness_n1``...)."""
+
+
+# --- housekeeping (the janitor in the active controller) -------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class StreamsTrimmed(Event):
+    """Entries removed by the retention policy, by logical stream name (``engines``, ``batches/p0``...)."""
+
+    entries: dict[str, int]
+    since_version: ClassVar[int] = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class PayloadsSwept(Event):
+    """Payloads deleted because they outlived ``max_age_s``, whatever their readers; counts by store kind."""
+
+    payloads: dict[str, int]
+    max_age_s: float
+    since_version: ClassVar[int] = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupExpired(Event):
+    """A consumer group whose consumers stopped beating was unregistered and destroyed, ``lapsed_s`` after its
+    registration lapsed; ``payloads_released`` payloads lost it as a reader."""
+
+    stream: str
+    group: str
+    lapsed_s: float
+    payloads_released: int
+    since_version: ClassVar[int] = 2
 
 
 # --- encoding --------------------------------------------------------------------------------
@@ -348,8 +420,15 @@ def _decode(fields: Any) -> Event:
     if cls is None:
         raise DecodeError(f"unknown event type {type_name!r}", fields)
     version = data.get("schema_version")
-    if version != cls.schema_version:
-        raise DecodeError(f"{type_name}: schema_version {version!r}, expected {cls.schema_version}", fields)
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS or version < cls.since_version:
+        raise DecodeError(f"{type_name}: schema_version {version!r}, expected "
+                          f"{' or '.join(str(v) for v in SUPPORTED_VERSIONS if v >= cls.since_version)}", fields)
+    if version == 1:
+        if "seq" in data:
+            raise DecodeError(f"{type_name}: schema_version 1 has no field 'seq'", fields)
+        data["seq"] = 0
+    elif "seq" not in data:
+        raise DecodeError(f"{type_name}: missing field 'seq'", fields)
     kwargs: dict[str, Any] = {}
     for name, hint, check, required in _field_specs(cls):
         if name not in data:
@@ -361,6 +440,11 @@ def _decode(fields: Any) -> Event:
             value = _producer(value, str(type_name), fields)
         elif not check(value):
             raise DecodeError(f"{type_name}: field {name!r} has {type(value).__name__}, expected {hint}", fields)
+        elif name in ID_FIELDS and value and not SAFE_ID.fullmatch(value):
+            raise DecodeError(f"{type_name}: field {name!r} is {value[:80]!r}, not a safe name (1-64 letters, "
+                              f"digits, '_', '.' or '-', not starting with '.')", fields)
+        elif name == "seq" and value < 0:
+            raise DecodeError(f"{type_name}: field 'seq' is {value}, must be >= 0", fields)
         kwargs[name] = value
     return cls(**kwargs)
 

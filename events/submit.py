@@ -20,7 +20,7 @@ from rq.exceptions import DuplicateJobError, NoSuchJobError
 from rq.job import Callback, Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from rollout_bus.events.connection import Redis
+from rollout_bus.events.connection import Guard, Redis
 from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
@@ -43,7 +43,9 @@ class SubmitConfig:
     deadline_grace_s: int = 30
     """With a deadline, the rq timeout is the time left plus this (the executor enforces the deadline)."""
     failure_ttl_s: int = 7 * 86400
-    result_ttl_s: int = 86400
+    result_ttl_s: int = 300
+    """How long a finished job and its rq result stay (``outcome``, ``request --wait`` read them); the
+    batch itself travels on the bus, so keeping one key per request for a day only costs memory."""
     known_policies: tuple[str, ...] | None = None
     """Policies a request may name; None: those in the registry (policy records and engine versions)."""
 
@@ -67,6 +69,7 @@ class RolloutSubmitter:
         self.producer = producer or Producer("client", f"{socket.gethostname()}-{os.getpid()}")
         self.registry = Registry(client, keys)
         self.publisher = Publisher(client, keys, self.producer)
+        self.guard = Guard(client, name=f"submitter {self.producer}")
         self._queues = {name: rq_queue(client, name) for name in (keys.rollout_queue, keys.eval_queue)}
 
     def known_policies(self) -> set[str]:
@@ -78,17 +81,20 @@ class RolloutSubmitter:
         """Queue ``request`` (``InvalidRequest`` if it is not valid); a repeat returns the existing job."""
         request.validate(self.known_policies())
         queue = self._queues[queue_name(self.keys, request.eval)]
-        try:
-            job = queue.enqueue_call(
-                JOB_FUNC, kwargs={"request": request.to_json()}, job_id=request.request_id, unique=True,
-                timeout=self._timeout_s(request), retry=Retry(max=self.config.max_retries),
-                failure_ttl=self.config.failure_ttl_s, result_ttl=self.config.result_ttl_s,
-                on_failure=Callback(FAILURE_CALLBACK),
-                meta={"namespace": self.keys.namespace, "max_retries": self.config.max_retries},
-                description=f"rollout {request.policy}/{request.rollout_id} ({request.request_id})")
-        except DuplicateJobError:
-            log.info("request %s is already queued: not enqueued again", request.request_id)
-            job = Job.fetch(request.request_id, connection=self.client, serializer=JSONSerializer)
+
+        def enqueue(_: Redis) -> Job:  # a retry after a lost reply finds the job there: DuplicateJobError
+            try:
+                return queue.enqueue_call(
+                    JOB_FUNC, kwargs={"request": request.to_json()}, job_id=request.request_id, unique=True,
+                    timeout=self._timeout_s(request), retry=Retry(max=self.config.max_retries),
+                    failure_ttl=self.config.failure_ttl_s, result_ttl=self.config.result_ttl_s,
+                    on_failure=Callback(FAILURE_CALLBACK),
+                    meta={"namespace": self.keys.namespace, "max_retries": self.config.max_retries},
+                    description=f"rollout {request.policy}/{request.rollout_id} ({request.request_id})")
+            except DuplicateJobError:
+                log.info("request %s is already queued: not enqueued again", request.request_id)
+                return Job.fetch(request.request_id, connection=self.client, serializer=JSONSerializer)
+        job = self.guard.call(enqueue)
         self.publisher.publish(self.keys.rollout_stream, RolloutRequested(
             producer=self.producer, policy=request.policy, rollout_id=request.rollout_id,
             request_id=request.request_id, n_groups=request.n_groups,

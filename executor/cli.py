@@ -1,4 +1,4 @@
-"""Run one rollout executor: ``rollout-bus executor --index 0 [--redis-url URL] ...``.
+"""Run one rollout executor: ``rollout-bus executor [--index 0] [--redis-url URL] ...``.
 
 Arguments are parsed before anything heavy is imported, so ``--help`` is instant.
 SIGTERM or SIGINT: finish the current job, then stop (a second one stops at once).
@@ -18,7 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout-bus executor", description="Rollout executor (an rq worker).")
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
     p.add_argument("--namespace", default=None, help="default: $ROLLOUT_BUS_NAMESPACE or 'default'")
-    p.add_argument("--index", type=int, default=0, help="stable per host: the worker is <host>-<namespace>-executor-<index>")
+    p.add_argument("--index", type=int, default=None,
+                   help="a stable name, <host>-<namespace>-executor-<index>, that a restart takes over (one per "
+                        "executor of a host); default: a name of this process alone")
     p.add_argument("--queues", default="rollout,eval", help="comma-separated, in priority order: rollout, eval")
     p.add_argument("--payload-store", default="redis", help="redis, shm, shm:/dir or file:/shared/dir")
     g = p.add_argument_group("plug-ins (dotted paths)")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import uuid
 from dataclasses import dataclass, field
 
 from rollout_bus.events.names import DEFAULT_NAMESPACE
@@ -18,9 +20,12 @@ class ExecutorConfig:
     redis_url: str | None = None
     """None: ``$REDIS_URL`` or the local default."""
     namespace: str = DEFAULT_NAMESPACE
-    index: int = 0
-    """Stable per host and namespace: the worker is ``<host>-<namespace>-executor-<index>`` (rq worker
-    names are global to a Redis), so a restart takes over its own name and jobs."""
+    index: int | None = None
+    """Given, the worker is ``<host>-<namespace>-executor-<index>`` (rq worker names are global to a
+    Redis), stable across restarts, so a restarted executor takes over its own name and expires its
+    predecessor's jobs at once (a supervisor gives each child one). None: a name of this process
+    alone (``...-executor-p<pid>-<random>``), so executors started by hand never clash; a dead
+    one's jobs are then retried after its heartbeat TTL."""
     host: str = field(default_factory=socket.gethostname)
     queues: tuple[str, ...] = QUEUE_KINDS
     """Which queues to serve, in priority order: ``rollout`` and/or ``eval``."""
@@ -41,10 +46,12 @@ class ExecutorConfig:
     metrics_port: int | None = None
     """Serve Prometheus ``/metrics`` on this port (0: any free one); None: not at all."""
     log_level: str = "INFO"
+    instance: str = field(default_factory=lambda: f"p{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    """The name part used when ``index`` is None."""
 
     @property
     def name(self) -> str:
-        return f"{self.host}-{self.namespace}-executor-{self.index}"
+        return f"{self.host}-{self.namespace}-executor-{self.instance if self.index is None else self.index}"
 
     def validate(self) -> None:
         unknown = [q for q in self.queues if q not in QUEUE_KINDS]
@@ -52,5 +59,5 @@ class ExecutorConfig:
             raise ValueError(f"queues must be a non-empty subset of {QUEUE_KINDS}, got {list(self.queues)}")
         if self.heartbeat_interval_s * 2 > self.heartbeat_ttl_s:
             raise ValueError("heartbeat_interval_s must be at most half of heartbeat_ttl_s")
-        if self.index < 0:
+        if self.index is not None and self.index < 0:
             raise ValueError("index must be >= 0")

@@ -21,7 +21,9 @@ from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from rq import Queue
 from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from rollout_bus.engine.http_client import close_shared_session
 from rollout_bus.events.connection import Redis, connect
@@ -31,7 +33,7 @@ from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import Registry
 from rollout_bus.events.rollouts import RolloutRequest
 from rollout_bus.events.schema import Producer, RolloutCompleted, RolloutStarted
-from rollout_bus.events.submit import queue_name, registry_policies, rq_queue
+from rollout_bus.events.submit import queue_name, registry_policies
 from rollout_bus.executor import jobs
 from rollout_bus.executor.config import ExecutorConfig
 from rollout_bus.executor.cursor import CursorStore
@@ -41,7 +43,7 @@ from rollout_bus.executor.metrics import ExecutorMetrics
 from rollout_bus.executor.output import BatchSink
 from rollout_bus.executor.plugins import Plugins
 from rollout_bus.executor.rollout import RolloutRunner
-from rollout_bus.executor.worker import ExecutorWorker, Reaper
+from rollout_bus.executor.worker import ExecutorWorker, Reaper, ReliableQueue
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,8 +92,9 @@ class ExecutorService:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="executor-loop", daemon=True)
         self._loop_thread.start()
-        rq_client = connect(cfg.redis_url, socket_timeout_s=None)
-        queues = [rq_queue(rq_client, queue_name(self.keys, kind == "eval")) for kind in cfg.queues]
+        rq_client = connect(cfg.redis_url, socket_timeout_s=None, retries=3)  # rq does not go through Guard
+        queues: list[Queue] = [ReliableQueue(queue_name(self.keys, kind == "eval"), connection=rq_client,
+                                             serializer=JSONSerializer) for kind in cfg.queues]
         self.worker = ExecutorWorker(queues, name=self.name, connection=rq_client,
                                      heartbeat_ttl_s=cfg.heartbeat_ttl_s,
                                      heartbeat_interval_s=cfg.heartbeat_interval_s, worker_ttl_s=cfg.worker_ttl_s,
@@ -99,6 +102,7 @@ class ExecutorService:
         if cfg.metrics_port is not None:
             self.metrics.serve(cfg.metrics_port)
         self._reaper = Reaper(rq_client, queues, name=self.name, interval_s=cfg.reap_interval_s,
+                              stranded_after_s=cfg.heartbeat_ttl_s,
                               on_thread_start=lambda: jobs.bind(self)).start()
         log.info("executor %s started on namespace %s, queues %s", self.name, self.keys.namespace,
                  [q.name for q in queues])

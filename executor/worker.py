@@ -12,7 +12,13 @@ a minute, and looks for abandoned jobs only every ten minutes. Here:
   about ``heartbeat_ttl_s + reap_interval_s``. It holds rq's own registry-cleaning lock while
   it does, so neither another reaper nor rq's maintenance pass retries the same job twice;
 - a worker that finds its own stable name still registered by a dead process on the same
-  host takes the name over and marks that process's executions expired at once.
+  host takes the name over and marks that process's executions expired at once;
+- dequeuing never loses a job: rq takes a job from several queues with ``BLPOP``, so a worker
+  that dies between taking a job and registering it as started (milliseconds, but a SIGKILL can
+  land there) leaves it in no queue and no registry. ``ReliableQueue`` always moves the job id
+  to the queue's intermediate list (``LMOVE``, rq's own single-queue way), the worker removes it
+  there when it registers the start, and the ``Reaper`` puts back on its queue a job left in an
+  intermediate list for longer than a live worker ever takes (``stranded_after_s``).
 """
 
 from __future__ import annotations
@@ -20,23 +26,71 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 from rq import Queue, SimpleWorker
+from rq.exceptions import DequeueTimeout
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
 from rollout_bus.events import processes
-from rollout_bus.events.connection import Redis
+from rollout_bus.events.connection import Redis, as_str
 
 log = logging.getLogger(__name__)
 
 
+class ReliableQueue(Queue):
+    """A queue whose dequeue from several queues moves the job id to an intermediate list, like rq's
+    single-queue dequeue, instead of popping it: a worker that dies before the job is registered as
+    started leaves it where the ``Reaper`` finds it."""
+
+    BLOCK_SLICE_S = 1
+    """While blocked on the first (highest-priority) queue, the others are looked at again this often."""
+
+    @classmethod
+    def dequeue_any(cls, queues: Iterable[Queue], timeout: int | None, connection: Redis,  # type: ignore[override]
+                    job_class: Any = None, serializer: Any = None,
+                    death_penalty_class: Any = None) -> tuple[Job, Queue] | None:
+        ordered = list(queues)
+        if len(ordered) < 2:
+            return super().dequeue_any(ordered, timeout, connection, job_class=job_class, serializer=serializer,
+                                       death_penalty_class=death_penalty_class)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for queue in ordered:  # in priority order, without blocking
+                job_id = connection.lmove(queue.key, IntermediateQueue.get_intermediate_queue_key(queue.key))
+                if job_id is not None:
+                    found = cls._fetch_dequeued_job(connection, queue.key, as_str(job_id), job_class=job_class,
+                                                    serializer=serializer, death_penalty_class=death_penalty_class)
+                    if found is not None:
+                        return found
+                    break  # a job id without a job: look again from the top
+            else:
+                if deadline is None:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DequeueTimeout(timeout, [q.key for q in ordered])
+                first = ordered[0].key
+                job_id = connection.blmove(first, IntermediateQueue.get_intermediate_queue_key(first),
+                                           cls.BLOCK_SLICE_S)
+                if job_id is not None:
+                    found = cls._fetch_dequeued_job(connection, first, as_str(job_id), job_class=job_class,
+                                                    serializer=serializer, death_penalty_class=death_penalty_class)
+                    if found is not None:
+                        return found
+
+
 class ExecutorWorker(SimpleWorker):
     """A ``SimpleWorker`` with short, refreshed execution heartbeats and a hook around each job."""
+
+    queue_class = ReliableQueue
 
     def __init__(self, queues: list[Queue], *, name: str, connection: Redis, heartbeat_ttl_s: int,
                  heartbeat_interval_s: float, worker_ttl_s: int,
@@ -49,6 +103,10 @@ class ExecutorWorker(SimpleWorker):
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return self.heartbeat_ttl_s
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        # the job id is in its queue's intermediate list whatever the number of queues (ReliableQueue)
+        super().prepare_job_execution(job, remove_from_intermediate_queue=True)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         stop = threading.Event()
@@ -103,16 +161,29 @@ class ExecutorWorker(SimpleWorker):
             pipe.execute()
 
 
+# KEYS[1] intermediate list, KEYS[2] queue; ARGV[1] job id. Back to the head of its queue, once.
+_REQUEUE = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('LPUSH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
 class Reaper:
-    """Retries or fails the jobs of dead executors soon after their heartbeats stop."""
+    """Retries or fails the jobs of dead executors soon after their heartbeats stop, and puts back on
+    their queue jobs a dead executor took but never started."""
 
     def __init__(self, connection: Redis, queues: list[Queue], *, name: str, interval_s: float,
-                 on_thread_start: Callable[[], Any] | None = None) -> None:
+                 on_thread_start: Callable[[], Any] | None = None, stranded_after_s: float = 10.0) -> None:
         self.connection = connection
         self.queues = queues
         self.name = name
         self.interval_s = interval_s
         self.on_thread_start = on_thread_start
+        self.stranded_after_s = stranded_after_s
+        self._requeue = connection.register_script(_REQUEUE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="executor-reaper", daemon=True)
 
@@ -143,9 +214,28 @@ class Reaper:
                 continue  # someone is cleaning this queue's registries right now
             try:
                 StartedJobRegistry(queue=queue, death_penalty_class=TimerDeathPenalty).cleanup()
+                self.requeue_stranded(queue)
             finally:
                 try:
                     lock.release()
                 except Exception as exc:  # expired or Redis gone: either way the lock times out by itself
                     log.debug("releasing the cleaning lock of %s: %s", queue.name, exc)
 
+
+    def requeue_stranded(self, queue: Queue) -> int:
+        """Jobs in ``queue``'s intermediate list for longer than ``stranded_after_s``: taken by a worker that
+        died before starting them. Back to the head of the queue (not a retry: no attempt ran); returns how many."""
+        stranded = IntermediateQueue(queue.key, connection=self.connection)
+        requeued = 0
+        for job_id in stranded.get_job_ids():
+            if stranded.set_first_seen(job_id):
+                continue  # seen for the first time: a live worker may be starting it right now
+            first = stranded.get_first_seen(job_id)
+            if first is None or (datetime.now(UTC) - first).total_seconds() < self.stranded_after_s:
+                continue
+            if self._requeue(keys=[stranded.key, queue.key], args=[job_id]):
+                self.connection.delete(stranded.get_first_seen_key(job_id))
+                requeued += 1
+                log.warning("job %s was taken from %s by an executor that died before starting it: back on the "
+                            "queue", job_id, queue.name)
+        return requeued

@@ -8,11 +8,16 @@ port. It warm-starts the model briefly (supervised, noisy labels: the reward sta
 below its ceiling), then starts the controller (which launches the engines), the
 executors and one trainer per policy, each as a process (``python -m rollout_bus <role>``),
 follows the trainers' events with a progress bar, prints a summary (reward before and
-after, steps/s and samples/s, staleness histogram), writes ``<out>/reward.png`` and
+after, steps/s and samples/s, staleness histogram, and the faults it rode out: restarts,
+requeued jobs, reclaimed batches, dead letters), writes ``<out>/reward.png`` and
 ``<out>/summary.json``, and stops everything it started, by pid, on exit, on error and on
-Ctrl-C. ``--log-to tensorboard,wandb`` passes through to the trainers, whose metric logs go
-under ``<out>/metrics`` (run ``<namespace>-<policy>``); the summary lists them. With
-``--metrics-base-port N`` every process serves Prometheus ``/metrics``: the
+Ctrl-C. A dead executor, trainer or controller is started again (with backoff, up to
+``--restart-budget`` times each; engines are the controller's job); one that keeps dying
+fails the run with the end of its log. ``--log-events FILE`` exports the run's whole event
+log, batch payloads included, before the run's Redis stops (for ``rollout-bus replay``
+timeline, verify and offline retraining). ``--log-to tensorboard,wandb`` passes through to
+the trainers, whose metric logs go under ``<out>/metrics`` (run ``<namespace>-<policy>``);
+the summary lists them. With ``--metrics-base-port N`` every process serves Prometheus ``/metrics``: the
 controller on N, executor i on N+1+i, then the trainers, then a bus exporter
 (``rollout-bus status --serve-metrics``: consumer lag, pending, dead letters, rq queues);
 the URLs are printed at the start.
@@ -69,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--log-to", default=d.log_to, metavar="BACKENDS",
                    help=f"the trainers' metric logs, comma-separated, of {','.join(LOG_BACKENDS)} (jsonl always), "
                         "under <out>/metrics; the summary says where each went")
+    x.add_argument("--controller-arg", dest="controller_args", action="append", default=[],
+                   help="extra `rollout-bus controller` argument (repeatable), e.g. --controller-arg=--retention-max-len=1000")
+    x.add_argument("--executor-arg", dest="executor_args", action="append", default=[],
+                   help="extra `rollout-bus executor` argument (repeatable)")
+    x.add_argument("--restart-budget", type=int, default=d.restart_budget,
+                   help="restarts each executor, trainer and the controller get before the run fails")
+    x.add_argument("--log-events", default=None, metavar="FILE",
+                   help="export the run's whole event log (payloads included) to FILE before Redis stops")
     x.add_argument("--timeout-s", type=float, default=d.timeout_s)
     x.add_argument("--no-progress", dest="progress", action="store_false")
     x.add_argument("--no-plot", dest="plot", action="store_false")
@@ -81,6 +94,8 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     config = RunConfig(**values)
     problems = [f"--{name} must be >= 1" for name in ("trainers", "executors", "engines", "steps")
                 if getattr(config, name) < 1]
+    if config.restart_budget < 0:
+        problems.append("--restart-budget must be >= 0")
     n_ports = config.executors + config.trainers + 2
     if config.metrics_base_port < 0 or (config.metrics_base_port and config.metrics_base_port + n_ports > 65536):
         problems.append(f"--metrics-base-port must be 0 (off) or leave room for {n_ports} ports below 65536")

@@ -49,6 +49,14 @@ class RunConfig:
     log_to: str = "jsonl"
     """The trainers' metric logs (``--log-to`` of ``rollout-bus trainer``), under ``<out>/metrics``."""
     trainer_args: list[str] = field(default_factory=list)
+    controller_args: list[str] = field(default_factory=list)
+    """Extra ``rollout-bus controller`` arguments (janitor settings, ...)."""
+    executor_args: list[str] = field(default_factory=list)
+    # --- supervision and records ----------------------------------------------------------------
+    restart_budget: int = 5
+    """Restarts each executor, trainer and the controller get over the run before it fails."""
+    log_events: str | None = None
+    """Export the run's whole event log, payloads included, to this file before Redis stops."""
     timeout_s: float = 900.0
     progress: bool = True
     plot: bool = True
@@ -79,6 +87,8 @@ class RunResult:
     out: Path
     namespace: str
     text: str
+    faults: dict[str, Any] = field(default_factory=dict)
+    """Restarts by process, requeued jobs, reclaimed batches, dead letters (``report.RunFaults``)."""
 
 
 class RunFailed(RuntimeError):

@@ -1,9 +1,12 @@
 """The main job: a private Redis (unless one is given), the warm start, then every role as a process.
 
 ``run_job`` starts the controller (which launches the engines), the executors and one
-trainer per policy, each as ``python -m rollout_bus <role>``, follows the trainers'
-events with a progress bar, writes ``<out>/summary.json`` and ``<out>/reward.png``, and
-stops everything it started, by pid, on exit, on error and on Ctrl-C.
+trainer per policy, each as ``python -m rollout_bus <role>`` under supervision (a dead one
+is started again, with backoff, within a restart budget; engines are the controller's
+job), follows the trainers' events with a progress bar, writes ``<out>/summary.json`` and
+``<out>/reward.png``, exports the event log when asked (``log_events``: payloads held from
+the start, written before Redis stops), and stops everything it started, by pid, on exit,
+on error and on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +31,23 @@ ROLE = ["-m", "rollout_bus"]
 """How a child process runs a role: ``python -m rollout_bus <role> ...``."""
 
 
-def run_job(config: RunConfig) -> RunResult:
+@dataclass
+class RunHandle:
+    """What ``run_job``'s ``on_start`` hook sees once every role is started (for tests and tools)."""
+
+    procs: Any
+    """The run's ``launch.procs.ProcessSet``."""
+    keys: Any
+    url: str
+
+
+def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None = None) -> RunResult:
     """Run the whole system for ``config``; stops everything it started before it returns or raises."""
     from rollout_bus.events.connection import connect, redis_url
     from rollout_bus.events.embedded import private_redis
     from rollout_bus.events.names import Keys
-    from rollout_bus.launch.procs import ProcessSet
-    from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards
+    from rollout_bus.launch.procs import ProcessSet, RestartPolicy
+    from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards, run_faults
     from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
     from rollout_bus.trainer.config import parse_log_to
     from rollout_bus.trainer.metric_loggers import output_paths
@@ -52,18 +66,25 @@ def run_job(config: RunConfig) -> RunResult:
         url = server.url
     url = redis_url(url)
     procs = ProcessSet(out / "logs", env={"ROLLOUT_BUS_NAMESPACE": namespace, "REDIS_URL": url})
+    service = RestartPolicy(budget=config.restart_budget)
     client = connect(url)
+    policies = config.policies()
+    holding = False
     try:
         warm = WarmStartConfig(steps=config.warm_steps, keep=config.warm_keep, digits=config.digits,
                                seed=config.seed)
         init = warm_start_cached(Path(config.init_dir) if config.init_dir else out / "init", warm)
         weights_root = out / "weights"
         weights_root.mkdir(exist_ok=True)
-        policies = config.policies()
         ports = metrics_ports(config)
+        if config.log_events:  # before any batch exists: every payload waits for the export
+            from rollout_bus.replay.exporter import hold_payloads
+
+            hold_payloads(client, keys, policies)
+            holding = True
         if ports:
             procs.start("bus-metrics", [*ROLE, "status", "--redis-url", url, "--namespace", namespace,
-                                        "--serve-metrics", str(ports["bus-metrics"])])
+                                        "--serve-metrics", str(ports["bus-metrics"])], restart=service)
             print("metrics:\n" + "\n".join(f"  {name:<12} http://127.0.0.1:{port}/metrics"
                                             for name, port in ports.items()), flush=True)
         procs.start("controller", [
@@ -74,23 +95,28 @@ def run_job(config: RunConfig) -> RunResult:
             *(arg for p in policies[1:] for arg in ("--pool", f"{p}={config.engines}")),
             "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
-            *_metrics_args(ports, "controller")])
+            *_janitor_args(config), *config.controller_args, *_metrics_args(ports, "controller")],
+            restart=service)
         data_args = json.dumps({"digits": config.digits, "seed": config.seed})
         for i in range(config.executors):
             procs.start(f"executor-{i}", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
                                           "--index", str(i), "--data-source-args", data_args,
-                                          *_metrics_args(ports, f"executor-{i}")])
+                                          *config.executor_args, *_metrics_args(ports, f"executor-{i}")],
+                        restart=service)
         recorder = None
         if config.recorder:
             recorder = procs.start("recorder", [*ROLE, "trainer", "record", "--redis-url", url, "--namespace",
                                                 namespace, "--policy", policies[0], "--out",
-                                                str(out / "recording"), "--start", "0"])
+                                                str(out / "recording"), "--start", "0"], restart=service)
             _wait_group(client, keys, policies[0], "recorder", recorder)
         # trainers wait for their policy to be served before they ask for rollouts: no need to wait here
+        trainer_policy = RestartPolicy(budget=config.restart_budget, may_finish=True)
         trainers = [procs.start(f"trainer-{p}", [*_trainer_args(config, p, url, namespace, init, weights_root,
                                                                 out / "checkpoints" / p, out / "metrics"),
-                                                 *_metrics_args(ports, f"trainer-{p}")])
+                                                 *_metrics_args(ports, f"trainer-{p}")], restart=trainer_policy)
                     for p in policies]
+        if on_start is not None:
+            on_start(RunHandle(procs, keys, url))
         runlog = _follow(config, client, keys, procs, trainers, started)
         if recorder is not None:
             time.sleep(1.0)  # let the recorder catch up with the last batches
@@ -98,21 +124,55 @@ def run_job(config: RunConfig) -> RunResult:
         summaries = [runlog.policy(p) for p in policies]
         outputs = {p: output_paths(out / "metrics", f"{namespace}-{p}", parse_log_to(config.log_to))
                    for p in policies}
-        text = format_summary(summaries, mode=config.mode, wall_s=wall_s) + "\n" + format_outputs(outputs)
+        faults = run_faults(client, keys, procs.restarts(), summaries)
+        text = (format_summary(summaries, mode=config.mode, wall_s=wall_s, faults=faults) + "\n"
+                + format_outputs(outputs))
         result = {"config": asdict(config), "namespace": namespace, "wall_s": wall_s,
-                  "policies": {s.policy: s.to_dict() for s in summaries},
+                  "policies": {s.policy: s.to_dict() for s in summaries}, "faults": faults.to_dict(),
                   "metric_logs": {p: {k: str(v) for k, v in o.items()} for p, o in outputs.items()}}
         (out / "summary.json").write_text(json.dumps(_finite(result), indent=2, default=str) + "\n")
         if config.plot:
             plot_rewards(summaries, out / "reward.png",
                          title=f"{config.mode} mode, {config.trainers} trainer(s), seed {config.seed}")
-        return RunResult(config, {s.policy: s.to_dict() for s in summaries}, wall_s, out, namespace, text)
+        return RunResult(config, {s.policy: s.to_dict() for s in summaries}, wall_s, out, namespace, text,
+                         faults.to_dict())
     finally:
         _adopt_engines_quietly(client, keys, procs)
         procs.stop_all()
+        if config.log_events:
+            _export_quietly(client, keys, Path(config.log_events), policies if holding else [])
         client.close()
         if server is not None:
             server.stop()
+
+
+def _janitor_args(config: RunConfig) -> list[str]:
+    """A run exported at the end keeps its whole log: no trimming, payloads kept past the run."""
+    if not config.log_events:
+        return []
+    return ["--retention-max-len", "0", "--retention-max-age-s", "0",
+            "--payload-max-age-s", str(max(24 * 3600.0, 2 * config.timeout_s))]
+
+
+def _export_quietly(client: Any, keys: Any, path: Path, held: list[str]) -> None:
+    """Export the namespace's event log with its payloads, then let the held payloads go."""
+    from rollout_bus.events.errors import BusError
+    from rollout_bus.replay.exporter import export_log, release_payloads
+    from rollout_bus.replay.payloads import payload_store
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        store = payload_store(client, keys)
+        try:
+            stats = export_log(client, keys, path, payloads=store)
+        finally:
+            store.close()
+        print(f"event log: {path} ({sum(stats.entries.values())} entries, {stats.payloads} payloads"
+              f"{', ' + str(len(stats.missing_payloads)) + ' missing' if stats.missing_payloads else ''})", flush=True)
+        if held:
+            release_payloads(client, keys, held)
+    except (BusError, OSError) as exc:  # the run's own outcome stands; say why there is no log
+        log.error("could not export the event log to %s: %s", path, exc)
 
 
 def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init: Path, weights_root: Path,
@@ -154,35 +214,39 @@ def _adopt_engines(client: Any, keys: Any, procs: Any) -> None:
 
 
 def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float) -> Any:
-    """Follow the trainer stream until every trainer is done; a failed process fails the run."""
+    """Follow the trainer stream until every trainer is done; restart what died; fail when one keeps dying."""
     from tqdm import tqdm
 
+    from rollout_bus.events.errors import BusError
+    from rollout_bus.launch.procs import GaveUp
     from rollout_bus.launch.report import RunLog
 
     runlog = RunLog()
     last_adopt = 0.0
     total = config.steps * len(trainers)
-    services = [c for c in procs.children if c not in trainers and c.name != "recorder"]
     with tqdm(total=total, unit="step", disable=not config.progress, dynamic_ncols=True,
               desc=f"{config.mode}") as bar:
         while True:
-            new = runlog.follow(client, keys, block_ms=300)
-            if time.monotonic() - last_adopt > 1.0:
-                _adopt_engines(client, keys, procs)
-                last_adopt = time.monotonic()
+            try:
+                new = runlog.follow(client, keys, block_ms=300)
+                if time.monotonic() - last_adopt > 1.0:
+                    _adopt_engines(client, keys, procs)
+                    last_adopt = time.monotonic()
+            except BusError as exc:  # Redis away longer than the reconnect budget: the roles wait too
+                log.warning("following the run: %s", exc)
+                new = []
             if new:
                 bar.update(len(new))
                 bar.set_postfix({s.policy: f"{s.rewards[-1]:.2f}" for s in runlog.policies.values() if s.rewards})
-            done = [t for t in trainers if not t.alive()]
-            for t in done:
-                if t.proc.returncode != 0:
-                    raise RunFailed(f"{t.name} exited with {t.proc.returncode}:\n{t.tail()}")
-            if len(done) == len(trainers):
+            try:
+                for child in procs.supervise():
+                    tqdm.write(f"{child.name} exited with {child.exits[-1]}: restarted "
+                               f"({child.restarts}/{child.policy.budget})")
+            except GaveUp as exc:
+                raise RunFailed(str(exc)) from None
+            if all(t.finished for t in trainers):
                 runlog.follow(client, keys, block_ms=0)
                 return runlog
-            for s in services:
-                if not s.alive():
-                    raise RunFailed(f"{s.name} exited with {s.proc.returncode}:\n{s.tail()}")
             if time.monotonic() - started > config.timeout_s:
                 raise RunFailed(f"the run did not finish in {config.timeout_s:.0f}s")
 
@@ -203,5 +267,3 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_finite(v) for v in value]
     return value
-
-

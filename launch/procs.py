@@ -1,4 +1,10 @@
-"""Child processes of a run: started with their log file, stopped by pid, in reverse order.
+"""Child processes of a run: started with their log file, supervised, stopped by pid, in reverse order.
+
+A child started with a ``RestartPolicy`` is supervised: ``ProcessSet.supervise``, called by the
+run's follow loop, notices when it died (any exit of a service; a non-zero one of a child that
+may finish, like a trainer), starts it again with the same arguments after a backoff that
+doubles with each restart, and raises ``GaveUp`` (with the end of its log) once its restart
+budget is spent. Every death is recorded (``Child.exits``), so the run's summary counts them.
 
 ``ProcessSet.stop_all`` sends SIGTERM to each child it started (newest first), waits,
 and SIGKILLs what is still alive; it also stops grandchildren it was told about (the
@@ -24,12 +30,38 @@ from rollout_bus.events import processes
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a supervised child is brought back: ``budget`` restarts over the run, the first after
+    ``backoff_s``, each later one after twice the one before (at most ``max_backoff_s``)."""
+
+    budget: int = 5
+    backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    may_finish: bool = False
+    """A clean exit (status 0) means done, not dead (a trainer that trained all its steps)."""
+
+    def delay(self, restarts: int) -> float:
+        return min(self.backoff_s * 2 ** restarts, self.max_backoff_s)
+
+
+class GaveUp(RuntimeError):
+    """A supervised child kept dying: its restart budget is spent (the message has its last log lines)."""
+
 
 @dataclass
 class Child:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    policy: RestartPolicy | None = None
+    exits: list[int] = field(default_factory=list)
+    """Exit status of every death the supervisor noticed (negative: killed by that signal)."""
+    restarts: int = 0
+    restart_at: float | None = None
+    """When a dead child is due to start again (``time.monotonic``); None while it runs."""
 
     @property
     def pid(self) -> int:
@@ -37,6 +69,11 @@ class Child:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def finished(self) -> bool:
+        """Exited cleanly and may do so (a trainer done with its steps)."""
+        return self.policy is not None and self.policy.may_finish and self.proc.poll() == 0
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -53,18 +90,58 @@ class ProcessSet:
     extra_pids: dict[int, str] = field(default_factory=dict)
     """Processes our children started (engines), stopped last."""
 
-    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Child:
-        """Run ``python <args...>`` (this interpreter); output goes to ``<log_dir>/<name>.log``."""
+    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None, *,
+              restart: RestartPolicy | None = None) -> Child:
+        """Run ``python <args...>`` (this interpreter); output goes to ``<log_dir>/<name>.log``.
+
+        With ``restart`` the child is supervised (see ``supervise``)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        env = dict(os.environ, **self.env, **(env or {}))
-        with log_path.open("ab") as out:
-            proc = subprocess.Popen([sys.executable, *args], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        child = Child(name, proc, log_path)
+        full_env = dict(os.environ, **self.env, **(env or {}))
+        child = Child(name, self._spawn(list(args), full_env, log_path), log_path, list(args), full_env, restart)
         self.children.append(child)
-        log.debug("started %s (pid %d): %s", name, proc.pid, " ".join(args))
+        log.debug("started %s (pid %d): %s", name, child.pid, " ".join(args))
         return child
+
+    @staticmethod
+    def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+        with log_path.open("ab") as out:
+            return subprocess.Popen([sys.executable, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def supervise(self, now: float | None = None) -> list[Child]:
+        """Restart supervised children that died, after their backoff; returns those started again now.
+
+        ``GaveUp`` when a child died once more than its budget allows."""
+        now = time.monotonic() if now is None else now
+        restarted: list[Child] = []
+        for child in self.children:
+            policy = child.policy
+            if policy is None or child.alive() or child.finished:
+                continue
+            if child.restart_at is None:  # a death not seen before
+                status = child.proc.returncode
+                child.exits.append(status)
+                if child.restarts >= policy.budget:
+                    raise GaveUp(f"{child.name} exited with {status} after {child.restarts} restart(s) "
+                                 f"(budget {policy.budget}):\n{child.tail()}")
+                delay = policy.delay(child.restarts)
+                child.restart_at = now + delay
+                log.warning("%s (pid %d) exited with %s: restarting it in %.1fs (restart %d of %d)", child.name,
+                            child.pid, status, delay, child.restarts + 1, policy.budget)
+            if now >= child.restart_at:
+                child.restarts += 1
+                child.restart_at = None
+                with child.log_path.open("ab") as out:
+                    out.write(f"--- restarted by the run (restart {child.restarts}) after exit status "
+                              f"{child.exits[-1]} ---\n".encode())
+                child.proc = self._spawn(child.args, child.env, child.log_path)
+                restarted.append(child)
+        return restarted
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far, by child name (supervised children only)."""
+        return {c.name: c.restarts for c in self.children if c.policy is not None}
 
     def adopt(self, pid: int, name: str) -> None:
         self.extra_pids[pid] = name

@@ -1,7 +1,10 @@
 """What a run did, read back from the trainer stream: rewards, speed, staleness; and the reward plot.
 
 Everything here folds ``TrainStepDone`` and ``BatchConsumed`` events, so a summary can
-be rebuilt from a replayed or exported event log as well as followed live.
+be rebuilt from a replayed or exported event log as well as followed live. ``run_faults``
+adds what the run rode out: restarts by process (from the supervisor), jobs requeued after
+their executor died (``RolloutStarted`` attempts), batches delivered to a trainer more than
+once (the trainer's ``redelivered_batches_total``) and dead letters.
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from rollout_bus.events.connection import Guard, Redis
+from rollout_bus.events.errors import DecodeError
 from rollout_bus.events.names import Keys
-from rollout_bus.events.schema import STALENESS_PREFIX, BatchConsumed, Event, TrainStepDone, decode
+from rollout_bus.events.paging import page
+from rollout_bus.events.schema import (
+    STALENESS_PREFIX,
+    BatchConsumed,
+    Event,
+    RolloutStarted,
+    TrainStepDone,
+    decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +43,8 @@ class PolicySummary:
     batches_trained: int = 0
     batches_unused: int = 0
     stale_groups: float = 0.0
+    redelivered: float = 0.0
+    """Batches the trainer received more than once (its pending ones after a restart, reclaimed ones)."""
     batch_ids: list[str] = field(default_factory=list)
 
     def reward_before(self, k: int = 2) -> float:
@@ -86,6 +100,7 @@ class RunLog:
             p.step_ts_ms.append(event.ts_ms)
             p.samples.append(float(event.metrics.get("n_samples", 0.0)))
             p.stale_groups = max(p.stale_groups, float(event.metrics.get("stale_groups_total", 0.0)))
+            p.redelivered = max(p.redelivered, float(event.metrics.get("redelivered_batches_total", 0.0)))
             for name, value in event.metrics.items():
                 if name.startswith(STALENESS_PREFIX):
                     s = int(name[len(STALENESS_PREFIX):])
@@ -130,7 +145,37 @@ def _rows(reply: Any) -> list[tuple[Any, Any]]:
     return [(e[0], e[1]) for _, entries in reply for e in entries]
 
 
-def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: float) -> str:
+@dataclass
+class RunFaults:
+    restarts: dict[str, int] = field(default_factory=dict)
+    requeued_jobs: int = 0
+    reclaimed_batches: int = 0
+    dead_letters: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"restarts": dict(self.restarts), "requeued_jobs": self.requeued_jobs,
+                "reclaimed_batches": self.reclaimed_batches, "dead_letters": self.dead_letters}
+
+
+def run_faults(client: Redis, keys: Keys, restarts: dict[str, int], policies: Iterable[PolicySummary], *,
+               guard: Guard | None = None) -> RunFaults:
+    """What the run rode out (see the module docstring), read from the bus at its end."""
+    g = guard or Guard(client, name="run faults")
+    requeued: set[str] = set()
+    for _, fields in page(client, keys.rollout_stream, guard=g):
+        try:
+            event = decode(fields)
+        except DecodeError:
+            continue
+        if isinstance(event, RolloutStarted) and event.attempt > 1:
+            requeued.add(event.request_id)
+    return RunFaults(restarts=dict(restarts), requeued_jobs=len(requeued),
+                     reclaimed_batches=int(sum(p.redelivered for p in policies)),
+                     dead_letters=int(g.call(lambda c: c.xlen(keys.dead_letters))))
+
+
+def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: float,
+                   faults: RunFaults | None = None) -> str:
     lines = [f"mode {mode}, {wall_s:.1f}s wall"]
     for p in policies:
         hist = ", ".join(f"{s}: {n}" for s, n in sorted(p.staleness_hist.items())) or "-"
@@ -143,6 +188,10 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
             f"  batches     {p.batches_trained} trained, {p.batches_unused} not trained; "
             f"{p.stale_groups:.0f} stale groups left out",
         ]
+    if faults is not None:
+        restarted = ", ".join(f"{name} {n}" for name, n in sorted(faults.restarts.items()) if n) or "none"
+        lines.append(f"faults: restarts {restarted}; {faults.requeued_jobs} job(s) requeued, "
+                     f"{faults.reclaimed_batches} batch(es) redelivered, {faults.dead_letters} dead letter(s)")
     return "\n".join(lines)
 
 

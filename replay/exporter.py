@@ -2,13 +2,14 @@
 
 Entries of all streams are merged into one order by entry id (one server clock) and
 written as they are paged from Redis; nothing is held in memory beyond one page per
-stream and one payload. For every ``BatchReady`` the payload bytes are fetched through a
-``PayloadSource`` and written just before the entry.
+stream, one millisecond of entries and one payload. For every ``BatchReady`` the payload
+bytes are fetched through a ``PayloadSource`` and written just before the entry.
 
 Ids order entries of different streams only to the millisecond (the sequence part counts
-per stream): entries of one millisecond are taken by their sequence part, and entries with
-the same id on several streams stream by stream in ``discover_streams`` order, which is the
-same live and after an import.
+per stream). Within one millisecond each producer's events go in the order it made them
+(their ``seq``, ``logfile.producer_order``); what no producer orders is taken by the ids'
+sequence part, and entries with the same id on several streams stream by stream in
+``discover_streams`` order, which is the same live and after an import.
 
 A batch's payload lives only until its last reader releases it (``events.batches``): once
 the trainer has acked a batch its bytes are gone. To export a run with its batches, call
@@ -34,7 +35,15 @@ from rollout_bus.events.names import BATCHES, Keys, check_name, logical_stream, 
 from rollout_bus.events.paging import discover_streams, page
 from rollout_bus.events.retention import first_needed
 from rollout_bus.events.schema import BatchReady
-from rollout_bus.replay.logfile import Header, LogEntry, LogWriter, Payload, StreamRange, is_batch_ready
+from rollout_bus.replay.logfile import (
+    Header,
+    LogEntry,
+    LogWriter,
+    Payload,
+    StreamRange,
+    is_batch_ready,
+    producer_order,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +110,13 @@ def _stream_entries(client: Redis, keys: Keys, stream: str, rng: Range, guard: G
 
 def read_live(client: Redis, keys: Keys, streams: Sequence[str] | None = None, rng: Range | None = None,
               *, count: int = 500, guard: Guard | None = None) -> Iterator[LogEntry]:
-    """Every entry of ``streams`` (default: all of the namespace) in ``rng``, merged in entry-id order."""
+    """Every entry of ``streams`` (default: all of the namespace) in ``rng``, merged in entry-id order and,
+    within a millisecond, in each producer's own order (``logfile.producer_order``)."""
     g = guard or Guard(client, name="export")
     chosen = list(streams) if streams is not None else discover_streams(client, keys, guard=g)
     r = rng or Range()
     merged = heapq.merge(*(_stream_entries(client, keys, s, r, g, count) for s in chosen), key=lambda t: t[0])
-    for _, entry in merged:
-        yield entry
+    yield from producer_order(entry for _, entry in merged)
 
 
 def export_log(client: Redis, keys: Keys, out: str | Path | IO[bytes], *,

@@ -11,7 +11,9 @@ A log file is one msgpack map per record, one after the other::
 
 Streams are named by their *logical* name (``engines``, ``weights``, ``batches/<policy>``,
 ``dead-letters``...), never by their Redis key, so a log imports into any namespace.
-Entries of all streams are written in one global order (by entry id). A batch's payload
+Entries of all streams are written in one global order: by entry id, and within one
+millisecond (all that ids of different streams can tell apart) each producer's events in
+the order it made them, by their header's ``seq`` (``producer_order``). A batch's payload
 bytes come *before* its ``BatchReady`` entry, cut in parts of at most ``PART_BYTES``, so a
 reader that restores them has every payload in place before the entry that refers to it.
 The ``end`` record tells a complete log from a truncated one. Nothing is pickled.
@@ -20,6 +22,7 @@ The ``end`` record tells a complete log from a truncated one. Nothing is pickled
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ import msgpack
 
 from rollout_bus.events.errors import DecodeError
 from rollout_bus.events.names import BATCHES
-from rollout_bus.events.schema import BatchReady, Event, decode
+from rollout_bus.events.schema import FIELD, BatchReady, Event, decode
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,65 @@ def decode_entries(entries: Iterable[LogEntry], *, skipped: list[LogEntry] | Non
                 skipped.append(entry)
             continue
         yield LogEvent(entry.stream, entry.id, event)
+
+
+def producer_order(entries: Iterable[LogEntry]) -> Iterator[LogEntry]:
+    """``entries`` (in entry-id order) with each millisecond's entries put in an exact order.
+
+    Entry ids order entries of different streams only to the millisecond. Within one, the events
+    of each producer go in its own order (``seq``, schema version 2); otherwise the order given
+    is kept: at each step the earliest-given entry whose producer has no earlier event left
+    goes next. Entries with no sequence number (dead letters, version 1 events) keep their place.
+    """
+    bucket: list[LogEntry] = []
+    ms: int | None = None
+    for entry in entries:
+        entry_ms = id_ms(entry.id)
+        if entry_ms != ms and bucket:
+            yield from _in_producer_order(bucket)
+            bucket = []
+        ms = entry_ms
+        bucket.append(entry)
+    if bucket:
+        yield from _in_producer_order(bucket)
+
+
+def _sequence(entry: LogEntry) -> tuple[tuple[str, str], int] | None:
+    """(producer, seq) of an entry's event header, or None when it has none (read without full decoding)."""
+    raw = entry.fields.get(FIELD) if isinstance(entry.fields, dict) else None
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        return None
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        producer, seq = data["producer"], data["seq"]
+        key = (str(producer["role"]), str(producer["instance"]))
+    except Exception:
+        return None
+    return (key, seq) if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0 else None
+
+
+def _in_producer_order(bucket: list[LogEntry]) -> list[LogEntry]:
+    if len(bucket) < 2:
+        return bucket
+    chains: dict[object, list[tuple[int, int]]] = {}  # producer -> [(seq, position)], earliest last
+    for position, entry in enumerate(bucket):
+        found = _sequence(entry)
+        chain = chains.setdefault(found[0] if found else ("", position), [])
+        chain.append((found[1] if found else 0, position))
+    heads: list[tuple[int, object]] = []
+    for producer, chain in chains.items():
+        chain.sort(reverse=True)
+        heads.append((chain[-1][1], producer))
+    heapq.heapify(heads)
+    out: list[LogEntry] = []
+    while heads:
+        position, producer = heapq.heappop(heads)
+        out.append(bucket[position])
+        chain = chains[producer]
+        chain.pop()
+        if chain:
+            heapq.heappush(heads, (chain[-1][1], producer))
+    return out
 
 
 def only_entries(records: Iterable[Record]) -> Iterator[LogEntry]:

@@ -4,7 +4,7 @@ On export a ``BatchReady``'s reference is opened with ``BatchChannel.store_for``
 redis store, or shm on this host; a file store when the channel is made with it) and its
 encoded bytes (``events.batch`` format) are copied into the log. On import the bytes are
 decoded (checksums verified), re-encoded and put into the target namespace's store under
-the same ref (``<policy>:<batch_id>``); the groups registered on the target batch stream
+the same ref (``<policy>:<batch_id>[:<attempt>]``); the groups registered on the target batch stream
 become the payload's readers and the ref is indexed, as ``BatchChannel.publish`` does, so
 release and ``delete_expired`` treat an imported batch like a published one.
 """
@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgpack
+
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, decode, encode
 from rollout_bus.events.batches import DEFAULT_PAYLOAD_TTL_S, BatchChannel
 from rollout_bus.events.connection import Guard, Redis
 from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
 from rollout_bus.events.names import Keys
 from rollout_bus.events.payload import StoreSpec, make_store
-from rollout_bus.events.payload.base import check_ref
+from rollout_bus.events.payload.base import PayloadStore, check_ref
 from rollout_bus.events.schema import BatchReady
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,10 @@ class StorePayloads:
         encoded = encode({**batch.tensors, **batch.ragged}, batch.meta,
                          max_bytes=max(DEFAULT_MAX_BYTES, batch.nbytes + (1 << 20)))
         reference = store.put(ref, encoded, self.ttl_s)
-        self._track(event.policy, ref)
+        self._track(event.policy, ref, store)
         return reference
 
-    def _track(self, policy: str, ref: str) -> None:
+    def _track(self, policy: str, ref: str, store: PayloadStore) -> None:
         """The stream's registered groups become the payload's readers; the ref goes into the payload index."""
         stream = self.keys.batch_stream(policy)
         readers = self.keys.payload_readers(ref)
@@ -72,6 +74,7 @@ class StorePayloads:
                 pipe.sadd(readers, *groups)
                 pipe.expire(readers, self.ttl_s + _READERS_GRACE_S)
             pipe.zadd(self.keys.payload_index, {ref: int(sec) * 1000 + int(usec) // 1000}, nx=True)
+            pipe.hset(self.keys.payload_stores, ref, msgpack.packb(store.locator(), use_bin_type=True))
             pipe.execute()
         self.guard.call(run)
 

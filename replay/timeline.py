@@ -1,7 +1,7 @@
 """The state of a run at any moment, rebuilt as a fold over its event log (faust-style).
 
 ``timeline(events, at_ms)`` applies every event up to ``at_ms`` (entry-id time, the bus's
-clock) in log order and returns what was true then: each engine's state and weight
+clock) in log order (exact: entry ids, then each producer's ``seq`` within a millisecond) and returns what was true then: each engine's state and weight
 versions (with their history), each policy's published and serving versions, every
 request and batch with its weight versions and staleness, and each trainer's progress.
 The same log gives the same ``Timeline`` whether it is read live from Redis or from an

@@ -5,9 +5,10 @@
   min and max, and with ``verify_log`` every sample's from the exported payload) was published
   before (``WeightsPublished``), and every version an engine announced as serving was
   applied to that engine since it was (re)launched. ``base_version`` is the version engines launch with
-  (the controller's initial checkpoint); it counts as published and received. Entry ids order
-  different streams only to the millisecond, so a ``WeightsApplied`` in the same millisecond as
-  the ``EngineServing`` it precedes may come after it in the log: it still counts.
+  (the controller's initial checkpoint); it counts as published and received. Logs of schema
+  version 2 events are in exact order (each producer's ``seq`` within a millisecond, see
+  ``logfile.producer_order``); in older logs a ``WeightsApplied`` in the same millisecond as the
+  ``EngineServing`` it precedes may come after it, and it still counts.
 - Every completed request has exactly one batch, and it is the batch it names.
 - No version went backwards: per policy published and serving, per engine and policy applied.
 

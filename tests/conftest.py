@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 
@@ -12,6 +14,26 @@ import redis
 from rollout_bus.events.connection import connect
 from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.names import Keys
+
+SYSTEM_TEMP = tempfile.gettempdir()
+"""The system's temp directory, for what the suite keeps between runs on purpose (the warm-start cache)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_files_in_pytests_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Temp files of the suite and of every process it starts (TMPDIR) go under pytest's base temp
+    directory, which pytest prunes, never loose into the system's."""
+    root = str(tmp_path_factory.mktemp("tmp"))
+    os.environ.setdefault("ROLLOUT_BUS_SYSTEM_TEMP", SYSTEM_TEMP)  # for caches kept on purpose (shared_init_dir)
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = root
+    os.environ["TMPDIR"] = root
+    yield
+    tempfile.tempdir = saved[0]
+    if saved[1] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[1]
 
 
 @pytest.fixture(scope="module")

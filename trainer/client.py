@@ -5,13 +5,18 @@ under a deterministic request id, so asking again after a restart never makes a 
 batch. ``get(rollout_id)`` hands over the batch of that rollout (miles' meaning of
 ``get``); ``next()`` hands over whichever batch came first. Batches are read from the
 policy's batch stream through the trainer's own consumer group under a stable consumer
-name, so a restarted trainer first re-reads the batches it held. ``ack`` comes after the
-training step: ``XACK``, ``BatchConsumed`` (once per group and batch) and the payload's
-release.
+name, so a restarted trainer first re-reads the batches it held; batches held in the buffer
+are touched (``Consumer.touch``) so that no claim takes them while they wait. ``ack`` comes
+after the training step: ``BatchConsumed`` (once per group and batch), the payload's release,
+then ``XACK`` last, so a crash anywhere before it only means the batch comes back.
+
+``start`` takes the policy's trainer lease (``trainer.lease``): a second trainer of the same
+policy is refused unless it is a data-parallel rank of the same trainer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -20,15 +25,16 @@ from typing import Any
 
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
-from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
-from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+from rollout_bus.events.rollouts import MAX_REQUEST_ID, RolloutRequest, SamplingParams
 from rollout_bus.events.schema import BatchConsumed, BatchReady, Producer, TrainerJoined
 from rollout_bus.events.submit import RolloutSubmitter, SubmitConfig
 from rollout_bus.events.train_data import TrainData
 from rollout_bus.lm.tokenizer import EOS_ID
 from rollout_bus.trainer.config import RolloutConfig
+from rollout_bus.trainer.lease import PolicyLease
 from rollout_bus.trainer.payloads import ChannelReader, PayloadReader
 
 log = logging.getLogger(__name__)
@@ -40,11 +46,15 @@ class ClientConfig:
     trainer_id: str
     group: str
     consumer_index: int = 0
+    """This client's data-parallel rank (its consumer name, and its rank in the policy lease)."""
+    dp_size: int = 1
     start_id: str = "$"
     """Where a new group starts: ``$`` (batches from now on) or ``0`` (the whole retained stream)."""
     claim_idle_ms: int = 600_000
     """Entries another consumer of the group held this long are taken over (data-parallel ranks)."""
     block_ms: int = 200
+    lease_ttl_s: float = 30.0
+    """The policy lease (one trainer per policy) lapses this long after this trainer stops renewing it."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
@@ -91,10 +101,16 @@ class RolloutClient:
                                  ConsumerConfig(block_ms=config.block_ms, auto_ack=False, start_id=config.start_id,
                                                 claim_idle_ms=config.claim_idle_ms))
         self._buffer: OrderedDict[str, ReceivedBatch] = OrderedDict()
+        self._touched = time.monotonic()
+        self.lease = PolicyLease(client, keys, config.policy, config.trainer_id, rank=config.consumer_index,
+                                 dp_size=config.dp_size, ttl_s=config.lease_ttl_s)
+        self._prefix = request_prefix(config.trainer_id)
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """Create the consumer group (before the first request, so no batch is missed) and join."""
+        """Take the policy lease, create the consumer group (before the first request, so no batch is
+        missed) and join."""
+        self.lease.acquire()
         self.consumer.ensure_group()
         self.publisher.publish(self.keys.trainer_stream, TrainerJoined(
             producer=self.producer, policy=self.config.policy, trainer_id=self.config.trainer_id,
@@ -103,12 +119,21 @@ class RolloutClient:
     def stop(self) -> None:
         self._buffer.clear()
         self.payloads.close()
+        self.lease.release()
 
     # --- requests ------------------------------------------------------------------------
     def request_id(self, run_id: str, rollout_id: int, attempt: int = 1) -> str:
-        """``<trainer>-<run>-r<rollout>[-a<attempt>]`` (rq job ids take no dots)."""
+        """``<trainer>-<run>-r<rollout>[-a<attempt>]`` (rq job ids take no dots).
+
+        The trainer part is the trainer id, or for a long one its head and a hash of it, the same
+        for every rollout and attempt, so every id this trainer makes fits ``MAX_REQUEST_ID``.
+        """
         suffix = f"-a{attempt}" if attempt > 1 else ""
-        return f"{self.config.trainer_id.replace('.', '_')}-{run_id}-r{rollout_id}{suffix}"
+        request_id = f"{self._prefix}-{run_id}-r{rollout_id}{suffix}"
+        if len(request_id) > MAX_REQUEST_ID:
+            raise InvalidRequest(f"request id {request_id!r} is longer than {MAX_REQUEST_ID} characters: "
+                                 f"the run id {run_id!r} is too long")
+        return request_id
 
     def request(self, rollout_id: int, request_id: str, *, timeout_s: float | None = None,
                 returned: list[dict[str, Any]] | None = None) -> RolloutRequest:
@@ -126,7 +151,17 @@ class RolloutClient:
 
     # --- receiving -----------------------------------------------------------------------
     def poll(self, block_ms: int | None = None) -> int:
-        """Read what the group has for us into the buffer; returns how many batches came in."""
+        """Read what the group has for us into the buffer; returns how many batches came in.
+
+        Batches waiting in the buffer are touched every third of ``claim_idle_ms``: a claim would
+        hand them to another consumer, or back to this one with one more delivery counted, until
+        ``max_deliveries`` dead-lettered a batch nothing is wrong with.
+        """
+        self.lease.check()
+        now = time.monotonic()
+        if self._buffer and (now - self._touched) * 1000 >= self.config.claim_idle_ms / 3:
+            self.consumer.touch(*self._buffer)
+            self._touched = now
         messages = self.consumer.read(block_ms if block_ms is not None else self.config.block_ms)
         added = 0
         for msg in messages:
@@ -193,14 +228,27 @@ class RolloutClient:
             self.poll()
 
     # --- acknowledging -------------------------------------------------------------------
-    def ack(self, batch: ReceivedBatch, *, staleness: int, accepted: bool) -> None:
-        """After the step: ack the entry, announce ``BatchConsumed`` (once per group), release the payload."""
-        self.consumer.ack(batch.message_id)
+    def ack(self, batch: ReceivedBatch, *, staleness: int, accepted: bool, reason: str = "") -> None:
+        """After the step: announce ``BatchConsumed`` (once per group), release the payload, then XACK.
+
+        Each step may run again without effect (the event is deduplicated by group and batch, a
+        release by a group that released already changes nothing), and the XACK comes last: a
+        crash anywhere before it means the entry is delivered again and the steps complete then.
+        """
         self.publisher.publish(self.keys.trainer_stream, BatchConsumed(
             producer=self.producer, policy=self.config.policy, batch_id=batch.batch_id,
-            trainer_id=self.config.trainer_id, staleness=staleness, accepted=accepted),
+            trainer_id=self.config.trainer_id, staleness=staleness, accepted=accepted, reason=reason),
             idempotency_key=f"consumed.{self.config.group}.{batch.batch_id}")
         try:
             self.payloads.release(batch.event, self.config.group)
-        except Exception as exc:  # ``delete_expired`` removes what is never released
-            log.warning("batch %s: payload release failed: %s", batch.batch_id, exc)
+        except DecodeError as exc:  # a reference no store here can open: the janitor sweeps it by age
+            log.warning("batch %s: payload not released: %s", batch.batch_id, exc.reason)
+        self.consumer.ack(batch.message_id)
+
+
+def request_prefix(trainer_id: str, room: int = 24) -> str:
+    """The trainer part of its request ids: the id (dots as '_'), or its head and 8 hex of its sha1."""
+    plain = trainer_id.replace(".", "_")
+    if len(plain) <= room:
+        return plain
+    return f"{plain[:room - 9]}-{hashlib.sha1(trainer_id.encode()).hexdigest()[:8]}"

@@ -105,6 +105,9 @@ class Recorder:
             else:
                 tensors[name] = value.contiguous()
         path = self.out / f"{event.batch_id}.safetensors"
+        if not event.batch_id or path.resolve().parent != self.out.resolve():  # decode checks ids; never trust twice
+            log.warning("batch id %r cannot name a file in %s: not recorded", event.batch_id, self.out)
+            return
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp),
                   metadata={"event": json.dumps(event.to_dict()), "meta": json.dumps(meta, default=str)})

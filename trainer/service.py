@@ -108,7 +108,7 @@ class Trainer:
         self.model = model
         self.client = RolloutClient(self.redis, self.keys, ClientConfig(
             policy=cfg.policy, trainer_id=cfg.trainer_id, group=cfg.group, consumer_index=cfg.dp_rank,
-            rollout=cfg.rollout), self.producer)
+            dp_size=cfg.dp_size, rollout=cfg.rollout), self.producer)
         self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
                                        self.producer, keep_versions=cfg.publish.keep_versions)
         self.step_log = StepLogger(cfg)
@@ -228,6 +228,8 @@ class Trainer:
             self._ack_unneeded()
             batch = client.take(lambda b: self._ours(b) and (rollout_id is None or b.rollout_id == rollout_id))
             if batch is not None:
+                if batch.deliveries > 1:  # delivered before: to a trainer that died, or reclaimed
+                    self._st().count("redelivered_batches")
                 self._wait_ms = (time.monotonic() - started) * 1000
                 m.STEP_SECONDS.labels(*self._labels, "wait_batch").observe(self._wait_ms / 1000)
                 return batch
@@ -258,15 +260,17 @@ class Trainer:
             if batch.batch_id in done:
                 log.info("batch %s was trained before the restart: skip and ack", batch.batch_id)
                 state.count("skipped_already_trained")
+                trained = batch.batch_id in {b for _, b in state.trained}
                 client.ack(batch, staleness=max(0, state.version - batch.event.min_weight_version),
-                           accepted=batch.batch_id in {b for _, b in state.trained})
+                           accepted=trained, reason="" if trained else "dropped before the restart")
                 continue
             log.warning("batch %s (request %s) is not one this trainer waits for: acked unused",
                         batch.batch_id, batch.request_id)
             state.count("foreign_batches")
             state.dropped.append(batch.batch_id)
             m.BATCHES.labels(*self._labels, "foreign").inc()
-            client.ack(batch, staleness=max(0, state.version - batch.event.min_weight_version), accepted=False)
+            client.ack(batch, staleness=max(0, state.version - batch.event.min_weight_version), accepted=False,
+                       reason="foreign: no request of this trainer waits for it")
 
     # --- one batch -------------------------------------------------------------------------
     def _consume(self, batch: ReceivedBatch) -> bool:
@@ -280,7 +284,7 @@ class Trainer:
                         batch.error, rid)
             state.count("payload_missing")
             state.dropped.append(batch.batch_id)
-            client.ack(batch, staleness=batch_staleness, accepted=False)
+            client.ack(batch, staleness=batch_staleness, accepted=False, reason=f"payload missing: {batch.error}")
             self._request(rid, state.attempts.get(rid, 1) + 1)
             return False
         state.in_flight.pop(rid, None)
@@ -303,7 +307,8 @@ class Trainer:
             state.count("stale_batches")
             state.dropped.append(batch.batch_id)
             m.BATCHES.labels(*self._labels, "stale").inc()
-            client.ack(batch, staleness=batch_staleness, accepted=False)
+            client.ack(batch, staleness=batch_staleness, accepted=False,
+                       reason=f"stale: {batch_staleness} versions behind, budget {budget}")
             return False
         self._train(batch, fresh, split.staleness, batch_staleness)
         return True
@@ -330,7 +335,8 @@ class Trainer:
             batch_staleness=float(batch_staleness), batch_staleness_all_max=float(staleness_all.max()),
             rollout_id=float(batch.rollout_id), wait_ms=self._wait_ms, step_ms=(t1 - t0) * 1000,
             in_flight=float(len(state.in_flight)), stale_groups_total=state.counters.get("stale_groups", 0.0),
-            stale_samples_total=state.counters.get("stale_samples", 0.0))
+            stale_samples_total=state.counters.get("stale_samples", 0.0),
+            redelivered_batches_total=state.counters.get("redelivered_batches", 0.0))
         for s, n in zip(*torch.unique(trained_staleness, return_counts=True), strict=True):
             metrics[f"{STALENESS_PREFIX}{int(s)}"] = float(n)
         state.last_metrics = metrics

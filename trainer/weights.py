@@ -11,6 +11,12 @@ idempotency key is ``weights.<policy>.<version>``, so publishing a version again
 restart never adds a second event. ``wait_serving`` then waits until the controller
 announces ``WeightVersionServing`` for that version or a newer one (or the registry says
 so), up to a timeout.
+
+Old versions are deleted only once the controller is done with them: a version older
+than the one it announced serving (``WeightVersionServing``, or the policy record), or one
+it gave up on (``WeightUpdateFailed`` for every engine: refused, stale or superseded). A
+version it may still be verifying or pushing stays on disk whatever ``keep_versions`` says,
+so a push never fails for a file the trainer deleted.
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ class WeightPublisher:
         self._published: list[int] = []
         self._saved: tuple[int, str] | None = None
         """The version this process last saved and its sha256, so announcing it does not hash the file again."""
+        self._settled_cursor = "0"
+        self._served = -1
+        self._given_up: set[int] = set()
 
     def adopt(self, current: int) -> None:
         """Take over the versions on disk up to ``current`` (after a restart), so pruning goes on."""
@@ -182,14 +191,44 @@ class WeightPublisher:
                     log.warning("%s v%d failed on engine %s: %s", self.policy, version, event.engine_id,
                                 event.reason)
 
+    def _follow_settled(self) -> None:
+        """Fold what the controller settled since the last look: the served version, versions given up."""
+        while True:
+            reply: Any = self.guard.call(partial(_xread, stream=self.keys.weight_stream, after=self._settled_cursor,
+                                                 block_ms=0, count=500))
+            entries = stream_entries(reply)
+            for _, entry_id, fields in entries:
+                self._settled_cursor = entry_id
+                try:
+                    event = decode(fields)
+                except Exception:
+                    continue
+                if getattr(event, "policy", None) != self.policy:
+                    continue
+                if isinstance(event, WeightVersionServing):
+                    self._served = max(self._served, event.version)
+                elif isinstance(event, WeightUpdateFailed) and not event.engine_id:
+                    self._given_up.add(event.version)
+            if len(entries) < 500:
+                break
+        record = self.registry.policy(self.policy)
+        if record is not None:
+            self._served = max(self._served, record.serving)
+
     def _prune(self) -> None:
-        if self.keep_versions <= 0:
+        """Delete versions beyond the newest ``keep_versions`` that the controller is done with."""
+        if self.keep_versions <= 0 or len(self._published) <= self.keep_versions:
             return
-        while len(self._published) > self.keep_versions:
-            old = self._published.pop(0)
-            shutil.rmtree(version_dir(self.root, self.policy, old), ignore_errors=True)
+        self._follow_settled()
+        newest = set(sorted(self._published)[-self.keep_versions:])
+        for old in sorted(self._published):
+            if old in newest or old == self._served:
+                continue
+            if old < self._served or old in self._given_up:
+                self._published.remove(old)
+                shutil.rmtree(version_dir(self.root, self.policy, old), ignore_errors=True)
 
 
-def _xread(c: Redis, *, stream: str, after: str, block_ms: int) -> Any:
-    return c.xread({stream: after}, count=64, block=block_ms)
+def _xread(c: Redis, *, stream: str, after: str, block_ms: int, count: int = 64) -> Any:
+    return c.xread({stream: after}, count=count, block=block_ms if block_ms > 0 else None)
 

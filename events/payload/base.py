@@ -1,6 +1,7 @@
 """The payload-store interface: where the bytes of a claim-checked batch live.
 
-A store writes an ``EncodedBatch`` under a ref (``"<policy>:<batch_id>"``) and returns a
+A store writes an ``EncodedBatch`` under a ref (``"<policy>:<batch_id>:<attempt>"``; the
+attempt part keeps two live attempts of one job off each other's bytes) and returns a
 reference, a small msgpack-able map that travels in the ``BatchReady`` event. ``get``
 returns a buffer that ``events.batch.decode`` reads without copying. References come off
 the wire: stores derive every key and path from the validated ref and their own
@@ -22,17 +23,19 @@ from rollout_bus.events.names import check_name
 Reference = dict[str, Any]
 PayloadBuffer = bytes | bytearray | memoryview
 
-_REF_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}:[A-Za-z0-9_.\-]{1,64}$")
+_REF_RE = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,63}:[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,63}(?::[0-9a-f]{1,32})?")
 IOV_MAX = 1024  # buffers one writev/sendmsg call may take (Linux' UIO_MAXIOV)
 
 
-def make_ref(policy: str, batch_id: str) -> str:
-    return f"{check_name('policy', policy)}:{check_name('batch_id', batch_id)}"
+def make_ref(policy: str, batch_id: str, attempt: str | None = None) -> str:
+    """``<policy>:<batch_id>``, with ``:<attempt>`` (hex) when one attempt's bytes must not meet another's."""
+    ref = f"{check_name('policy', policy)}:{check_name('batch_id', batch_id)}"
+    return check_ref(ref if attempt is None else f"{ref}:{attempt}")
 
 
 def check_ref(ref: Any) -> str:
-    if not isinstance(ref, str) or not _REF_RE.match(ref):
-        raise DecodeError(f"payload ref {ref!r} is not '<policy>:<batch_id>'")
+    if not isinstance(ref, str) or not _REF_RE.fullmatch(ref):
+        raise DecodeError(f"payload ref {ref!r} is not '<policy>:<batch_id>[:<attempt>]'")
     return ref
 
 
@@ -82,6 +85,11 @@ class PayloadStore(ABC):
     def locate(self, ref: str) -> Reference:
         """A reference for ``ref`` rebuilt from the ref alone (for deleting orphans)."""
         return {"store": self.name, "ref": check_ref(ref)}
+
+    def locator(self) -> dict[str, Any]:
+        """Where this store keeps payloads, as recorded in the payload index: ``store`` (the kind),
+        ``root`` (its directory, None for Redis) and ``host`` (None when every host reaches it)."""
+        return {"store": self.name, "root": None, "host": None}
 
     def redis_keys(self, reference: Reference) -> list[str]:
         """Keys in the bus's Redis that hold this payload (deleted atomically on release); [] if none."""

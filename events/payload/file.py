@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rollout_bus.events.batch import Buffer, EncodedBatch
 from rollout_bus.events.errors import DecodeError, PayloadMissing
@@ -36,8 +36,12 @@ class FileStore(PayloadStore):
     name: ClassVar[str] = "file"
 
     def __init__(self, root: str | os.PathLike[str], keys: Keys) -> None:
+        self.base = str(Path(root).resolve())
         self.root = Path(root) / keys.namespace
         self.root.mkdir(parents=True, exist_ok=True)
+
+    def locator(self) -> dict[str, Any]:
+        return {"store": self.name, "root": self.base, "host": None}
 
     def path(self, ref: str) -> Path:
         return self.root / check_ref(ref)

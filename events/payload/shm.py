@@ -33,7 +33,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -87,6 +87,9 @@ class ShmStore(FileStore):
         self.host = socket.gethostname()
         self._maps: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
         self._lock = threading.RLock()  # guards the mapping cache
+
+    def locator(self) -> dict[str, Any]:
+        return {"store": self.name, "root": self.base, "host": self.host}
 
     # --- writing -----------------------------------------------------------------------
     def put(self, ref: str, batch: EncodedBatch, ttl_s: int) -> Reference:

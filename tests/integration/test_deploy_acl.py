@@ -18,12 +18,14 @@ from rq import Queue, Retry, SimpleWorker
 from rq.serializers import JSONSerializer
 
 from rollout_bus import status
+from rollout_bus.controller.lease import Lease
 from rollout_bus.events import schema as s
 from rollout_bus.events.batches import BatchChannel
 from rollout_bus.events.connection import connect
 from rollout_bus.events.consume import Consumer, ConsumerConfig
 from rollout_bus.events.embedded import find_redis_server, free_port
 from rollout_bus.events.errors import RedisCommandError
+from rollout_bus.events.janitor import Janitor, JanitorConfig
 from rollout_bus.events.metrics import bus_snapshot
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
@@ -31,6 +33,7 @@ from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord,
 from rollout_bus.replay.exporter import export_log
 from rollout_bus.replay.importer import import_log
 from rollout_bus.replay.payloads import payload_store
+from rollout_bus.trainer.lease import PolicyLease
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +129,19 @@ def test_the_controller_owns_engines_weight_outcomes_and_the_registry(acl_server
     assert ctl.set(keys.controller_lease, "me", nx=True, px=5000)
     Consumer(ctl, keys, keys.command_stream, "controller", "c-0", ConsumerConfig(block_ms=1)).read()
 
+    lease = Lease(ctl, keys.controller_lease, "fenced", 5)
+    ctl.delete(keys.controller_lease)
+    assert lease.try_acquire() and lease.token is not None  # the fencing counter and fenced registry writes
+    Registry(ctl, keys, fence=lease.token).put_engine(EngineRecord("e0", "u", EngineState.SERVING))
+    exe = acl_server.client("executor")
+    exe_pub = Publisher(exe, keys, producer("executor"))
+    exe.sadd(keys.registered_groups(keys.batch_stream(POLICY)), "left")
+    BatchChannel(exe, keys, publisher=exe_pub).publish(POLICY, "b0", {"x": torch.zeros(3)}, request_id="r0")
+    exe.zadd(keys.group_beats(keys.batch_stream(POLICY)), {"left": 0})  # a reader that left long ago
+    report = Janitor(ctl, keys, pub, JanitorConfig(max_len=0, payload_max_age_s=3600)).run_once()
+    assert [e.group for e in report.expired] == ["left"] and report.trimmed.get("batches/p0") == 1
+    assert not list(ctl.scan_iter(match=keys.payload("*")))  # the janitor deleted the payload it held
+
     refused(lambda: ctl.xadd(keys.batch_stream(POLICY), {"e": b"x"}))
     refused(lambda: ctl.set(keys.payload("b"), b"x"))
     refused(lambda: Queue(keys.rollout_queue, connection=ctl, serializer=JSONSerializer).enqueue("builtins.len", [1]))
@@ -201,6 +217,9 @@ def test_the_trainer_consumes_batches_and_publishes_weights_but_never_touches_en
     refused(lambda: trainer.xadd(keys.batch_stream(POLICY), {"e": b"x"}))
     refused(lambda: trainer.xadd(keys.engine_stream, {"e": b"x"}))
     refused(lambda: trainer.set(keys.controller_lease, "me"))
+    lease = PolicyLease(trainer, keys, POLICY, "trainer-p0", ttl_s=5)
+    lease.acquire()  # one trainer per policy
+    lease.release()
 
 
 def test_the_status_user_reads_everything_and_writes_nothing(acl_server: AclServer, tmp_path: Path) -> None:

@@ -144,3 +144,30 @@ def test_the_data_cursor_survives_executor_restarts_and_kills(
     assert len(batch_ready(redis_client, keys)) == 7
     cursor = redis_client.hgetall(keys.data_cursor("p", "arith-+-d2-s0"))
     assert set(cursor) == {b"state"}  # no reservation or returned prompt left behind
+
+
+def test_a_job_taken_by_an_executor_that_died_before_starting_it_goes_back_on_the_queue(
+        redis_server: RedisServer, redis_client: redis.Redis, keys: Keys, engines: list[EngineProcess],
+        executors: list[ExecutorProcess]) -> None:
+    from rollout_bus.executor.config import ExecutorConfig
+    from rollout_bus.executor.service import ExecutorService
+
+    register_engines(redis_client, keys, {f"e{i}": e.url for i, e in enumerate(engines)})
+    (request,) = submit(redis_client, keys, 1)
+    # an executor serving both queues takes the job the way every executor does, then dies before starting it
+    dying = ExecutorService(ExecutorConfig(redis_url=redis_server.url, namespace=keys.namespace, index=7)).start()
+    assert dying.worker is not None and len(dying.worker.queues) == 2
+    taken = dying.worker.dequeue_job_and_maintain_ttl(timeout=5)
+    assert taken is not None and taken[0].id == request.request_id
+    assert redis_client.llen(f"rq:queue:{keys.rollout_queue}") == 0  # off the queue, not started: in flight
+    assert dying._reaper is not None
+    dying._reaper.stop()  # it died: nothing of it runs any more
+    dying._reaper = None
+    try:
+        executors.append(ExecutorProcess(redis_server.url, keys.namespace, 0))  # a live executor, another name
+        wait_for("the job done by the live executor", lambda: jobs_done(redis_client, [request.request_id]), 60)
+    finally:
+        dying.stop()
+    assert batch_counts(redis_client, keys, "p") == {request.batch_id: 1}
+    (started,) = [e for e in rollout_events(redis_client, keys, "RolloutStarted") if e.request_id == request.request_id]
+    assert started.executor.endswith("-executor-0") and started.attempt == 1  # put back, not a retry

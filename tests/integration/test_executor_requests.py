@@ -185,3 +185,30 @@ def test_group_rewards_and_the_dynamic_filter(redis_server: RedisServer, redis_c
     data = train_data(redis_client, served, event)
     assert data.raw_reward.tolist() == [1.0, 1.0, 0.0, 0.0] * 2
     assert all(abs(r) > 0.5 for r in data.rewards.tolist())  # (x - 0.5) / std
+
+
+def test_a_finished_requests_job_and_result_expire_in_minutes_not_a_day(redis_server: RedisServer,
+                                                                       redis_client: redis.Redis,
+                                                                       served: Keys) -> None:
+    request = RolloutRequest.create("p", 1, 1, 2, sampling=SHORT, timeout_s=60)
+    RolloutSubmitter(redis_client, served).submit(request)
+    run_executor(redis_server, served)
+    assert job(redis_client, request.request_id).return_value()["batch_id"] == request.batch_id
+    for key in (f"rq:results:{request.request_id}", f"rq:job:{request.request_id}"):
+        assert 0 < redis_client.ttl(key) <= SubmitConfig().result_ttl_s <= 600, key
+
+
+def test_two_executors_started_with_defaults_on_one_host_both_register(redis_server: RedisServer,
+                                                                       keys: Keys) -> None:
+    services = [ExecutorService(ExecutorConfig(redis_url=redis_server.url, namespace=keys.namespace)).start()
+                for _ in range(2)]
+    try:
+        for service in services:
+            assert service.worker is not None
+            service.worker.register_birth()  # rq refuses a second live worker of one name
+        assert services[0].name != services[1].name
+    finally:
+        for service in services:
+            if service.worker is not None:
+                service.worker.register_death()
+            service.stop()

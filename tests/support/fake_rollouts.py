@@ -11,6 +11,7 @@ what makes the mode, staleness and resume logic testable in milliseconds.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import tempfile
 import threading
@@ -189,4 +190,5 @@ def fake_batch(n_groups: int, per_group: int, *, rollout_id: int, version: int, 
 
 def shared_init_dir(name: str = "rollout-bus-test-init") -> Path:
     """A per-machine directory for the warm-started test weights (reused while the config matches)."""
-    return Path(tempfile.gettempdir()) / name
+    # a cache kept across runs on purpose: in the system's temp directory, not pytest's (see tests/conftest.py)
+    return Path(os.environ.get("ROLLOUT_BUS_SYSTEM_TEMP") or tempfile.gettempdir()) / name

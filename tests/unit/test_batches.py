@@ -71,7 +71,10 @@ def test_publish_appends_a_batch_ready_whose_payload_fetches_back(fake_client: r
     batch = channel.fetch(event)
     assert batch.meta == {"k": 1}
     assert batch.ragged["tokens"][0].tolist() == list(range(7))
-    assert fake_client.zscore(keys.payload_index, "pol:b1") is not None
+    ref = event.payload["ref"]
+    assert ref.startswith("pol:b1:")  # the attempt's own ref
+    assert fake_client.zscore(keys.payload_index, ref) is not None
+    assert fake_client.hget(keys.payload_stores, ref) is not None  # where it lives, for the janitor
 
 
 def test_a_repeated_publish_adds_no_entry_and_writes_no_second_payload(fake_client: redis.Redis, keys: Keys,
@@ -88,7 +91,7 @@ def test_a_repeated_publish_adds_no_entry_and_writes_no_second_payload(fake_clie
     first = channel.publish(POLICY, "b1", tensors())
     assert channel.publish(POLICY, "b1", tensors(1)) == first
     assert fake_client.xlen(keys.batch_stream(POLICY)) == 1
-    assert puts == ["pol:b1"]
+    assert [r.rsplit(":", 1)[0] for r in puts] == ["pol:b1"]
 
 
 def test_the_readers_are_the_groups_registered_when_the_batch_was_published(fake_client: redis.Redis,
@@ -97,7 +100,7 @@ def test_the_readers_are_the_groups_registered_when_the_batch_was_published(fake
     register(fake_client, keys, "trainer-a", "trainer-b")
     channel.publish(POLICY, "b1", tensors())
     register(fake_client, keys, "late")
-    assert channel.readers("pol:b1") == {"trainer-a", "trainer-b"}
+    assert channel.readers(only_event(fake_client, keys).payload["ref"]) == {"trainer-a", "trainer-b"}
 
 
 def test_the_payload_lives_until_the_last_group_releases_it(fake_client: redis.Redis, keys: Keys,
@@ -112,8 +115,9 @@ def test_the_payload_lives_until_the_last_group_releases_it(fake_client: redis.R
     assert payload_exists(store, event.payload)
     assert channel.release(event, "b") is True
     assert not payload_exists(store, event.payload)
-    assert fake_client.zscore(keys.payload_index, "pol:b1") is None
-    assert not fake_client.exists(keys.payload_readers("pol:b1"))
+    assert fake_client.zscore(keys.payload_index, event.payload["ref"]) is None
+    assert fake_client.hlen(keys.payload_stores) == 0
+    assert not fake_client.exists(keys.payload_readers(event.payload["ref"]))
     with pytest.raises(PayloadMissing, match=r"batch b1 of policy pol"):
         channel.fetch(event)
 
@@ -161,8 +165,8 @@ def test_delete_expired_deletes_payloads_that_outlived_their_readers(fake_client
     assert payload_exists(store, event.payload)
     assert channel.delete_expired(max_age_s=0) >= 1
     assert not payload_exists(store, event.payload)
-    assert fake_client.zcard(keys.payload_index) == 0
-    assert not fake_client.exists(keys.payload_readers("pol:b1"))
+    assert fake_client.zcard(keys.payload_index) == 0 and fake_client.hlen(keys.payload_stores) == 0
+    assert not fake_client.exists(keys.payload_readers(event.payload["ref"]))
 
 
 def test_delete_expired_also_removes_a_payload_whose_publish_crashed_before_the_event(
@@ -178,16 +182,17 @@ def test_delete_expired_also_removes_a_payload_whose_publish_crashed_before_the_
     with pytest.raises(Died):
         channel.publish(POLICY, "b1", tensors())
     assert fake_client.xlen(keys.batch_stream(POLICY)) == 0
-    assert written(fake_client, keys, store)
+    (ref,) = [r.decode() for r in fake_client.zrange(keys.payload_index, 0, -1)]  # indexed before it was written
+    assert written(fake_client, keys, store, ref)
     channel.delete_expired(max_age_s=0)
     assert fake_client.zcard(keys.payload_index) == 0
-    assert not written(fake_client, keys, store)
+    assert not written(fake_client, keys, store, ref)
 
 
-def written(client: redis.Redis, keys: Keys, store: PayloadStore) -> bool:
+def written(client: redis.Redis, keys: Keys, store: PayloadStore, ref: str) -> bool:
     if isinstance(store, FileStore):
-        return store.path("pol:b1").exists()
-    return bool(client.exists(keys.payload_chunk("pol:b1", 0)))
+        return store.path(ref).exists()
+    return bool(client.exists(keys.payload_chunk(ref, 0)))
 
 
 def test_a_batch_over_the_limit_is_refused_before_redis_is_touched(fake_client: redis.Redis, keys: Keys,
@@ -205,3 +210,30 @@ def test_a_channel_reads_payloads_of_another_store_kind(fake_client: redis.Redis
     reader = BatchChannel(fake_client, keys, FileStore(tmp_path, keys))
     assert reader.fetch(only_event(fake_client, keys)).ragged["tokens"][1].tolist() == [0, 1, 2, 3]
     assert os.listdir(tmp_path / keys.namespace) == []
+
+
+def test_sweeping_deletes_payloads_of_every_store_kind_through_a_store_of_that_kind(
+        fake_client: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    register(fake_client, keys, "a-group-that-died")
+    stores = [RedisStore(fake_client, keys, chunk_bytes=4096), ShmStore(keys, tmp_path / "shm"),
+              FileStore(tmp_path / "files", keys)]
+    events = []
+    for i, store in enumerate(stores):
+        channel_for(fake_client, keys, store).publish(POLICY, f"b{i}", tensors(i))
+        events.append(decode_as(BatchReady, fake_client.xrange(keys.batch_stream(POLICY))[-1][1]))
+    janitor = BatchChannel(fake_client, keys, RedisStore(fake_client, keys))  # its own kind is redis
+    swept = janitor.sweep(0, roots=[str(tmp_path / "shm"), str(tmp_path / "files")])
+    assert swept.payloads == {"redis": 1, "shm": 1, "file": 1} and swept.unreachable == 0
+    for store, event in zip(stores, events, strict=True):
+        assert not payload_exists(store, event.payload), store.name
+    assert fake_client.zcard(keys.payload_index) == 0 and fake_client.hlen(keys.payload_stores) == 0
+
+
+def test_a_payload_in_a_store_the_sweeper_was_not_given_is_left_indexed_not_orphaned(
+        fake_client: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "files", keys)
+    channel_for(fake_client, keys, store).publish(POLICY, "b1", tensors())
+    event = only_event(fake_client, keys)
+    swept = BatchChannel(fake_client, keys, RedisStore(fake_client, keys)).sweep(0)
+    assert swept.unreachable == 1 and swept.total == 0
+    assert payload_exists(store, event.payload) and fake_client.zcard(keys.payload_index) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 
 import fakeredis
@@ -104,3 +105,61 @@ def test_an_active_controller_that_loses_its_lease_steps_down_leaving_the_engine
         return log
 
     assert asyncio.run(scenario()) == ["me start", "me stop engines=False"]
+
+
+def test_a_lease_whose_holder_died_on_this_host_is_taken_at_once(client: redis.Redis, keys: Keys) -> None:
+    import subprocess
+
+    from rollout_bus.controller.lease import owner_token
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lease = Lease(client, keys.controller_lease, owner_token("new"), ttl_s=5)
+    client.set(keys.controller_lease, f"old:another-host:{gone.pid}:deadbeef", px=60_000)
+    assert not lease.try_acquire()  # a holder on another host cannot be checked: it lapses in a minute
+    client.set(keys.controller_lease, f"old:{socket.gethostname()}:{gone.pid}:deadbeef", px=60_000)
+    assert lease.try_acquire() and lease.holder() == lease.owner and lease.token is not None
+
+
+def test_a_leader_whose_renewals_fail_steps_down_before_its_lease_can_lapse(
+        client: redis.Redis, keys: Keys) -> None:
+    from rollout_bus.events.errors import BusUnavailable
+
+    async def scenario() -> tuple[list[str], int]:
+        log: list[str] = []
+        ttl = 0.8
+        runner = LeaderRunner(Lease(client, keys.controller_lease, "me", ttl), lambda: StubService(log, "me"), ttl)
+        stop = asyncio.Event()
+        task = asyncio.create_task(runner.run(stop))
+        await asyncio.wait_for(runner.active.wait(), 5)
+
+        def unreachable() -> bool:
+            raise BusUnavailable("Redis unreachable")
+        runner.lease.renew = unreachable  # type: ignore[method-assign]  # alive, but cut off from Redis
+        runner.lease.try_acquire = lambda: False  # type: ignore[method-assign]
+        await asyncio.wait_for(runner.lost.wait(), 5)
+        left_ms = int(client.pttl(keys.controller_lease))  # the lease it last renewed has not lapsed yet
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        return log, left_ms
+
+    log, left_ms = asyncio.run(scenario())
+    assert log == ["me start", "me stop engines=False"]
+    assert left_ms > 0
+
+
+def test_a_fenced_registry_refuses_a_token_older_than_the_counter(client: redis.Redis, keys: Keys) -> None:
+    from rollout_bus.events.errors import Fenced
+    from rollout_bus.events.registry import EngineRecord, EngineState, Registry
+
+    old, new = Lease(client, keys.controller_lease, "old", 5), Lease(client, keys.controller_lease, "new", 5)
+    assert old.try_acquire() and old.release() and new.try_acquire()
+    assert old.token is not None and new.token is not None and new.token == old.token + 1
+    record = EngineRecord("e0", "http://x", EngineState.SERVING)
+    Registry(client, keys, fence=new.token).put_engine(record)
+    stale = EngineRecord("e0", "http://x", EngineState.STOPPED)
+    with pytest.raises(Fenced, match=f"token {old.token} is older than {new.token}"):
+        Registry(client, keys, fence=old.token).put_engine(stale)
+    with pytest.raises(Fenced):
+        Registry(client, keys, fence=old.token).remove_engine("e0")
+    assert Registry(client, keys).engines()["e0"].state == EngineState.SERVING

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from rollout_bus.events.names import Keys
-from rollout_bus.events.publish import Publisher
+from rollout_bus.events.publish import RETRY_DEDUPE_TTL_S, Publisher
 from rollout_bus.events.schema import EngineReady, Producer, decode
 
 PRODUCER = Producer("controller", "c-0")
@@ -130,3 +131,17 @@ def test_a_wrapped_client_goes_through_its_own_commands(fake_client: redis.Redis
     assert ids[0] == ids[1] == pub.publish(keys.engine_stream, event)
     assert set(wrapped.commands) == {"EVALSHA"}  # the first one also finds the script not loaded yet
     assert fake_client.xlen(keys.engine_stream) == 1
+
+
+def test_a_dedupe_key_of_an_event_id_lives_minutes_and_one_of_a_business_key_as_configured(
+        fake_client: redis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLOUT_BUS_DEDUPE_TTL_S", "3600")
+    pub = Publisher(fake_client, keys, PRODUCER)
+    event = ready()
+    pub.publish(keys.engine_stream, event)  # only the guard's own re-send can repeat it
+    pub.publish(keys.engine_stream, ready(), idempotency_key="request-7")
+    assert 0 < fake_client.ttl(keys.dedupe(keys.engine_stream, event.event_id)) <= RETRY_DEDUPE_TTL_S
+    assert RETRY_DEDUPE_TTL_S < fake_client.ttl(keys.dedupe(keys.engine_stream, "request-7")) <= 3600
+    monkeypatch.setenv("ROLLOUT_BUS_DEDUPE_TTL_S", "5")
+    with pytest.raises(ValueError, match="at least 600"):
+        Publisher(fake_client, keys, PRODUCER)

@@ -13,7 +13,15 @@ import redis
 from rollout_bus.events.consume import Consumer, ConsumerConfig
 from rollout_bus.events.errors import DecodeError, PayloadMissing
 from rollout_bus.events.names import Keys, logical_stream, stream_key
-from rollout_bus.events.schema import BatchReady, decode
+from rollout_bus.events.schema import (
+    BatchReady,
+    EngineServing,
+    Producer,
+    TrainerJoined,
+    WeightsApplied,
+    decode,
+    encode,
+)
 from rollout_bus.replay import logfile
 from rollout_bus.replay.exporter import Range, export_log, read_live
 from rollout_bus.replay.importer import import_log
@@ -257,3 +265,21 @@ def test_a_pipeline_resent_after_a_lost_reply_adds_each_entry_once(
     stats = import_log(flaky, other, path)  # type: ignore[arg-type]
     assert flaky.lost and sum(stats.entries.values()) == len(published)
     assert sum(fake_client.xlen(stream_key(other, s)) for s in stats.entries) == len(published)
+
+
+def test_events_of_one_millisecond_go_in_their_producers_order_live_and_in_the_exported_file(
+        fake_client: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    controller, trainer = Producer("controller", "c-1"), Producer("trainer", "t-1")
+    applied = WeightsApplied(producer=controller, policy=POLICY, version=1, engine_id="e0", duration_ms=1.0)
+    joined = TrainerJoined(producer=trainer, policy=POLICY, trainer_id="t", group="t")
+    serving = EngineServing(producer=controller, engine_id="e0", url="u", versions={POLICY: 1})
+    assert applied.seq < serving.seq
+    # one millisecond: the ids' sequence parts (one counter per stream) put them the other way round
+    fake_client.xadd(keys.engine_stream, encode(serving), id="1000-0")  # type: ignore[arg-type]
+    fake_client.xadd(keys.trainer_stream, encode(joined), id="1000-1")  # type: ignore[arg-type]
+    fake_client.xadd(keys.weight_stream, encode(applied), id="1000-7")  # type: ignore[arg-type]
+    live = [e.event for e in decode_entries(read_live(fake_client, keys))]
+    assert live == [joined, applied, serving]  # the controller's order; the rest keeps its place
+    export_log(fake_client, keys, tmp_path / "run.rblog")
+    with LogReader(tmp_path / "run.rblog") as reader:
+        assert [e.event for e in reader.events()] == live

@@ -13,11 +13,14 @@ import pytest
 from rollout_bus.events.errors import DecodeError, InvalidRequest
 from rollout_bus.events.schema import (
     FIELD,
+    ID_FIELDS,
     MAX_EVENT_BYTES,
     SCHEMA_VERSION,
+    BatchReady,
     EngineLaunching,
     EngineOffloaded,
     Event,
+    GroupExpired,
     OffloadEngines,
     Producer,
     RolloutCompleted,
@@ -48,8 +51,8 @@ def sample(hint: Any) -> Any:
 
 def make(cls: type[Event]) -> Event:
     hints = typing.get_type_hints(cls)
-    kwargs = {f.name: sample(hints[f.name]) for f in dataclasses.fields(cls)
-              if f.name not in ("producer", "event_id", "ts_ms")}
+    kwargs = {f.name: f"{f.name}-0.x" if f.name in ID_FIELDS else sample(hints[f.name])
+              for f in dataclasses.fields(cls) if f.name not in ("producer", "event_id", "ts_ms")}
     return cls(producer=PRODUCER, **kwargs)
 
 
@@ -115,7 +118,16 @@ MALFORMED: dict[str, tuple[Any, str]] = {
     "unknown type": (packed(valid_dict() | {"type": "EngineExploded"}), "unknown event type 'EngineExploded'"),
     "no type": (packed(_without("type")), "unknown event type None"),
     "base class as type": (packed(valid_dict() | {"type": "Event"}), "unknown event type 'Event'"),
-    "newer schema version": (packed(valid_dict() | {"schema_version": SCHEMA_VERSION + 1}), "schema_version 2"),
+    "newer schema version": (packed(valid_dict() | {"schema_version": SCHEMA_VERSION + 1}),
+                             f"schema_version {SCHEMA_VERSION + 1}, expected 1 or 2"),
+    "version 2 without seq": (packed(_without("seq")), "missing field 'seq'"),
+    "version 1 with seq": (packed(valid_dict() | {"schema_version": 1}), "schema_version 1 has no field 'seq'"),
+    "negative seq": (packed(valid_dict() | {"seq": -3}), "field 'seq' is -3"),
+    "path in an id field": (packed(make(BatchReady).to_dict() | {"batch_id": "../x"}), "field 'batch_id' is '../x'"),
+    "dot-dot as an id": (packed(make(BatchReady).to_dict() | {"batch_id": ".."}), "not a safe name"),
+    "slash in a policy": (packed(make(BatchReady).to_dict() | {"policy": "a/b"}), "field 'policy'"),
+    "housekeeping event at version 1": (packed({k: v for k, v in make(GroupExpired).to_dict().items() if k != "seq"}
+                                               | {"schema_version": 1}), "expected 2"),
     "schema version as string": (packed(valid_dict() | {"schema_version": "1"}), "schema_version '1'"),
     "no schema version": (packed(_without("schema_version")), "schema_version None"),
     "missing field": (packed(_without("engine_id")), "missing field 'engine_id'"),
@@ -159,3 +171,19 @@ def test_an_event_too_large_for_consumers_is_refused_at_encode() -> None:
     event = EngineOffloaded(producer=PRODUCER, engine_id="e", tags=["x" * MAX_EVENT_BYTES])
     with pytest.raises(InvalidRequest, match="exceeds"):
         encode(event)
+
+
+def test_an_event_of_schema_version_1_still_decodes_with_an_unknown_sequence_number() -> None:
+    data = {k: v for k, v in valid_dict().items() if k != "seq"} | {"schema_version": 1}
+    event = decode(packed(data))
+    assert isinstance(event, EngineLaunching) and event.seq == 0
+    assert decode(encode(event)) == event  # and goes out again as version 2, seq 0
+
+
+def test_each_producer_numbers_its_events_in_the_order_they_are_made() -> None:
+    mine, other = Producer("tester", "seq-a"), Producer("tester", "seq-b")
+    a1 = EngineOffloaded(producer=mine, engine_id="e", tags=[])
+    b1 = EngineOffloaded(producer=other, engine_id="e", tags=[])
+    a2 = EngineOffloaded(producer=mine, engine_id="e", tags=[])
+    assert a2.seq == a1.seq + 1 and b1.seq >= 1
+    assert decode(encode(a2)).seq == a2.seq  # a decoded event keeps its number

@@ -77,5 +77,5 @@ def test_decoding_arbitrary_entry_fields_raises_only_decode_error(fields: Any) -
 
 def test_the_producer_is_rebuilt_as_a_producer() -> None:
     data = {"type": "EngineReady", "schema_version": SCHEMA_VERSION, "producer": {"role": "r", "instance": "i"},
-            "engine_id": "e", "url": "http://x"}
+            "seq": 7, "engine_id": "e", "url": "http://x"}
     assert decode({FIELD: msgpack.packb(data)}).producer == Producer("r", "i")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import fakeredis
+import msgpack
 import torch
 
 from rollout_bus.events.names import Keys
@@ -47,3 +48,23 @@ def test_a_recorder_releases_payloads_so_the_last_reader_deletes_them(tmp_path: 
     publish(client, keys, "alpha", 0)
     recorder.drain()
     assert client.zcard(keys.payload_index) == 0  # the recorder was the only registered group
+
+
+def test_a_forged_batch_id_that_climbs_out_of_the_directory_is_dead_lettered_and_writes_nothing(
+        tmp_path: Path, keys: Keys) -> None:
+    client = fakeredis.FakeRedis()
+    out = tmp_path / "rec"
+    recorder = Recorder(client, keys, RecorderConfig(policy="alpha", out_dir=str(out)))
+    recorder.start()
+    stream = keys.batch_stream("alpha")
+    client.sadd(keys.registered_groups(stream), "another-reader")  # the payload outlives the recorder's read
+    publish(client, keys, "alpha", 0)
+    (_, fields), = client.xrange(stream)
+    real = msgpack.unpackb(fields[b"e"], raw=False)  # a real payload reference, a forged id
+    forged = real | {"batch_id": "../escaped", "event_id": "f" * 32}
+    client.xadd(stream, {b"e": msgpack.packb(forged, use_bin_type=True)})
+    recorder.drain()
+    assert not (tmp_path / "escaped.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
+    (_, letter), = client.xrange(keys.dead_letters)
+    assert b"batch_id" in letter[b"reason"] and b"../escaped" in letter[b"reason"]

@@ -13,7 +13,13 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import page
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import PolicyRecord, Registry
-from rollout_bus.events.schema import Producer, WeightsPublished, WeightVersionServing, decode
+from rollout_bus.events.schema import (
+    Producer,
+    WeightsPublished,
+    WeightUpdateFailed,
+    WeightVersionServing,
+    decode,
+)
 from rollout_bus.lm.files import verify_weights_dir
 from rollout_bus.lm.model import ModelConfig, build_model, load_model
 from rollout_bus.trainer.weights import ServingTimeout, WeightPublisher, version_dir
@@ -41,13 +47,28 @@ def test_a_version_is_saved_hashed_and_announced_once(tmp_path: Path, keys: Keys
     assert all((a == b).all() for a, b in zip(reloaded.state_dict().values(), model.state_dict().values(), strict=True))
 
 
-def test_old_versions_are_pruned(tmp_path: Path, keys: Keys) -> None:
+def on_disk(tmp_path: Path) -> list[int]:
+    return sorted(int(p.name[1:]) for p in (tmp_path / "alpha").iterdir())
+
+
+def test_old_versions_are_pruned_only_once_the_controller_is_done_with_them(tmp_path: Path, keys: Keys) -> None:
     client = fakeredis.FakeRedis()
     model = build_model(ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32), seed=0)
-    weights = publisher(tmp_path, keys, client, keep=2)
-    for v in range(4):
+    weights = publisher(tmp_path, keys, client, keep=1)
+    controller = Publisher(client, keys, Producer("controller", "c"))
+    for v in range(1, 5):
         weights.publish(model, v)
-    assert sorted(p.name for p in (tmp_path / "alpha").iterdir()) == ["v000002", "v000003"]
+    assert on_disk(tmp_path) == [1, 2, 3, 4]  # nothing settled yet: the controller may be verifying any of them
+    controller.publish(keys.weight_stream, WeightVersionServing(producer=controller.producer, policy="alpha",
+                                                                version=3, engine_ids=["e0"]))
+    controller.publish(keys.weight_stream, WeightVersionServing(producer=controller.producer, policy="other",
+                                                                version=9, engine_ids=["e0"]))
+    weights.publish(model, 5)
+    assert on_disk(tmp_path) == [3, 4, 5]  # below the served one: gone; served and in flight: kept
+    controller.publish(keys.weight_stream, WeightUpdateFailed(producer=controller.producer, policy="alpha",
+                                                              version=4, engine_id="", reason="superseded by 5"))
+    weights.publish(model, 6)
+    assert on_disk(tmp_path) == [3, 5, 6]  # a version given up on goes too; 5 is still in flight
 
 
 def test_waiting_ends_at_the_serving_announcement(tmp_path: Path, keys: Keys) -> None:
