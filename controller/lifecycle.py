@@ -176,13 +176,21 @@ class Lifecycle:
             EngineUnhealthy, engine_id=h.engine_id, reason=reason[:2000], failures=h.failures))
 
     # --- failure and restart -------------------------------------------------------------------
-    async def fail(self, h: EngineHandle, reason: str) -> None:
-        """Take a failing engine out of serving; restart it when we launched it."""
+    async def fail(self, h: EngineHandle, reason: str, *, restart_later: bool = False) -> None:
+        """Take a failing engine out of serving; restart it when we launched it.
+
+        ``restart_later`` returns once the engine is out of serving and relaunches it in a task
+        of its own: a weight update round that found it dead must not wait for the relaunch,
+        or the healthy engines would get no newer version until it is back."""
         async with self.core.operate(h):
             if h.state in (S.UNHEALTHY, S.RESTARTING, S.STOPPED):
                 return
             await self._mark_unhealthy(h, reason)
-        if h.managed:
+        if not h.managed:
+            return
+        if restart_later:
+            self.core.spawn(self.restart(h), f"restart-{h.engine_id}")
+        else:
             await self.restart(h)
 
     async def restart(self, h: EngineHandle) -> None:

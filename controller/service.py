@@ -77,7 +77,8 @@ class InferenceController:
         self._temp_log_dir = not config.log_dir
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix=f"rollout-bus-engines-{config.namespace}-"))
         self.core = Core(config, bus, metrics or ControllerMetrics(), log_dir, fence=fence)
-        self.lifecycle = Lifecycle(self.core, make_backend(config.backend), WeightUpdater(self.core, self._failed))
+        self.lifecycle = Lifecycle(self.core, make_backend(config.backend),
+                                   WeightUpdater(self.core, self._failed_in_update))
         self.updater = self.lifecycle.updater
         self.metrics_port = None
         self._loops = []
@@ -314,6 +315,9 @@ class InferenceController:
 
     async def _failed(self, h: EngineHandle, reason: str) -> None:
         await self.lifecycle.fail(h, reason)
+
+    async def _failed_in_update(self, h: EngineHandle, reason: str) -> None:
+        await self.lifecycle.fail(h, reason, restart_later=True)
 
     async def _weights_loop(self) -> None:
         while True:

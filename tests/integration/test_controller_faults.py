@@ -103,6 +103,45 @@ def test_a_killed_or_hung_engine_is_replaced_and_gets_the_latest_weights_before_
     assert not any(pid_alive(r.pid or 0) for r in records.values())
 
 
+def test_an_engine_that_dies_under_a_weight_update_does_not_hold_back_the_others_while_it_relaunches(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path, tmp_path: Path) -> None:
+    """The update round that finds an engine dead takes it out of serving and relaunches it in the
+    background: the next version reaches the healthy engine before the dead one is back."""
+    cfg = ControllerConfig(namespace=keys.namespace, redis_url=redis_server.url, num_engines=2,
+                           model_path=str(root / "base"), weights_root=str(root), health_interval_s=30.0,
+                           log_dir=str(tmp_path / "logs"))
+    versions = {v: write_version(root / "base", root / f"v{v}", seed=v) for v in (1, 2)}
+
+    async def scenario() -> None:
+        ctl = InferenceController(cfg, redis_client)
+        await ctl.start()
+        try:
+            dead = ctl.engines["engine-1"]
+            old_pid = dead.record.pid
+            assert old_pid is not None
+            os.kill(old_pid, signal.SIGKILL)
+            await wait_until_async("engine-1 gone", lambda: not pid_alive(old_pid), 10)
+            seen = len(engine_events(redis_client, keys, "engine-1"))
+            publish_weights(redis_client, keys, "default", 1, str(versions[1][0]), versions[1][1])
+            # the health loop sleeps 30 s: the update round is what finds engine-1 dead
+            await wait_until_async("engine-1 relaunching", lambda: find(
+                engine_events(redis_client, keys, "engine-1")[seen:], EngineLaunching), 15)
+            publish_weights(redis_client, keys, "default", 2, str(versions[2][0]), versions[2][1])
+            await wait_until_async("v2 on engine-0", lambda: find(read_events(
+                redis_client, keys.weight_stream), WeightsApplied, engine_id="engine-0", version=2), 15)
+            back = find(engine_events(redis_client, keys, "engine-1")[seen:], EngineServing)
+            assert not back, "engine-0 got v2 only once engine-1 had relaunched"
+            await wait_until_async("engine-1 back", lambda: find(
+                engine_events(redis_client, keys, "engine-1")[seen:], EngineServing), 30)
+            await wait_until_async("v2 serving", lambda: find(
+                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=2), 15)
+            assert dead.record.versions == {"default": 2} and dead.record.pid != old_pid
+        finally:
+            await ctl.stop()
+
+    asyncio.run(scenario())
+
+
 def spawn_controller(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, "-m", "rollout_bus", "controller", *args], cwd=ROOT,
