@@ -334,9 +334,21 @@ COMMANDS = {"export": cmd_export, "import": cmd_import, "timeline": cmd_timeline
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rollout_bus.events.errors import DecodeError
+
     args = parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
-    return COMMANDS[args.command](args)
+    try:
+        return COMMANDS[args.command](args)
+    except OSError as exc:  # a log file that cannot be read (or written)
+        if exc.filename is None:
+            raise
+        print(f"rollout-bus replay {args.command}: cannot use {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except DecodeError as exc:
+        print(f"rollout-bus replay {args.command}: not a rollout-bus event log, or a damaged one: {exc}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -223,9 +223,10 @@ def _weights(t: Timeline, ev: Any, ms: int) -> None:
         engine.updating.pop(ev.policy, None)
         _set_version(engine, ev.policy, ev.version, ms)
     elif isinstance(ev, s.WeightUpdateFailed):
-        engine = t.engine(ev.engine_id)
-        engine.updating.pop(ev.policy, None)
-        engine.failed_updates += 1
+        if ev.engine_id:  # no engine id: the version was refused or superseded as a whole
+            engine = t.engine(ev.engine_id)
+            engine.updating.pop(ev.policy, None)
+            engine.failed_updates += 1
         policy.failed_updates += 1
 
 

@@ -283,3 +283,16 @@ def test_events_of_one_millisecond_go_in_their_producers_order_live_and_in_the_e
     export_log(fake_client, keys, tmp_path / "run.rblog")
     with LogReader(tmp_path / "run.rblog") as reader:
         assert [e.event for e in reader.events()] == live
+
+
+def test_the_cli_says_what_is_wrong_with_a_missing_or_damaged_log(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from rollout_bus.replay import cli
+
+    assert cli.main(["verify", str(tmp_path / "missing.rblog")]) == 2
+    assert "cannot use" in capsys.readouterr().err
+    damaged = tmp_path / "damaged.rblog"
+    damaged.write_bytes(b"\xc1 not msgpack \x00" * 8)
+    for command in ("verify", "timeline", "feed"):
+        assert cli.main([command, str(damaged)]) == 2
+        assert "not a rollout-bus event log, or a damaged one" in capsys.readouterr().err

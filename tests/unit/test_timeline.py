@@ -204,3 +204,11 @@ def test_the_rendered_timeline_names_engines_policies_and_batches() -> None:
     assert "3 batches, staleness mean 0.67 max 1; showing 2" in text
     assert "batch-0" not in text and "batch-2" in text
     assert "completed=3 failed=1" in text
+
+
+def test_a_version_refused_as_a_whole_counts_for_the_policy_and_makes_no_engine() -> None:
+    refused = ("weights", s.WeightUpdateFailed(producer=CTRL, policy=POLICY, version=9, engine_id="",
+                                               reason="superseded by a newer version"))
+    t = timeline(synthetic([*scenario(), refused]))
+    assert "" not in t.engines and set(t.engines) == {"e0", "e1"}
+    assert t.policies[POLICY].failed_updates >= 1
