@@ -178,9 +178,9 @@ class Lane:
             try:
                 held = self._held
                 conn = held[0]
-                if conn is None or held[1] != os.getpid():  # after a fork the parent's socket is not ours
+                if conn is None or held[1] != _PID[0]:  # after a fork the parent's socket is not ours
                     conn = held[0] = self._pool.get_connection()
-                    held[1] = os.getpid()
+                    held[1] = _PID[0]
                 return _exchange(conn, packed, replies)
             finally:
                 self._lock.release()
@@ -194,6 +194,11 @@ class Lane:
         """Give the kept connection back to the pool (a later call takes one again)."""
         with self._lock:
             _give_back(self._pool, self._held)
+
+
+_PID = [os.getpid()]
+"""This process's id, kept current across forks: ``os.getpid`` is a system call, and a lane asks per command."""
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 def _give_back(pool: Any, held: list[Any]) -> None:

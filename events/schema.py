@@ -112,9 +112,11 @@ class Event:
         if names is None:
             names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(self))
         out: dict[str, Any] = {"type": cls.__name__, "schema_version": self.schema_version}
+        values = self.__dict__  # a plain dataclass: every field is in it
         for name in names:
-            value = getattr(self, name)
-            out[name] = {"role": value.role, "instance": value.instance} if name == "producer" else value
+            out[name] = values[name]
+        producer = self.producer
+        out["producer"] = {"role": producer.role, "instance": producer.instance}
         return out
 
 
@@ -430,12 +432,15 @@ def _decode(fields: Any) -> Event:
     elif "seq" not in data:
         raise DecodeError(f"{type_name}: missing field 'seq'", fields)
     kwargs: dict[str, Any] = {}
-    for name, hint, check, required in _field_specs(cls):
+    for name, hint, check, required, exact in _fast_specs(cls):
         if name not in data:
             if required:
                 raise DecodeError(f"{type_name}: missing field {name!r}", fields)
             continue
         value = data[name]
+        if exact is not None and type(value) in exact and name not in _SPECIAL_FIELDS:
+            kwargs[name] = value  # a plain value of an exactly expected type: nothing more to check
+            continue
         if name == "producer":
             value = _producer(value, str(type_name), fields)
         elif not check(value):
@@ -446,7 +451,33 @@ def _decode(fields: Any) -> Event:
         elif name == "seq" and value < 0:
             raise DecodeError(f"{type_name}: field 'seq' is {value}, must be >= 0", fields)
         kwargs[name] = value
-    return cls(**kwargs)
+    return _build(cls, kwargs)
+
+
+_DEFAULTS: dict[type[Event], Any] = {}
+_UNSET = object()
+
+
+def _build(cls: type[E], kwargs: dict[str, Any]) -> E:
+    """``cls(**kwargs)`` for checked values, without the frozen dataclass ``__init__`` (one
+    ``object.__setattr__`` per field): the instance's dict is filled directly, defaults and
+    default factories for absent fields as ``__init__`` would. A class with its own
+    ``__post_init__`` goes through ``__init__``."""
+    defaults = _DEFAULTS.get(cls, _UNSET)
+    if defaults is _UNSET:
+        defaults = _DEFAULTS[cls] = None if cls.__post_init__ is not Event.__post_init__ else tuple(
+            (f.name, f.default, f.default_factory) for f in dataclasses.fields(cls)
+            if not (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING))
+    if defaults is None:
+        return cls(**kwargs)
+    for name, default, factory in defaults:
+        if name not in kwargs:
+            kwargs[name] = factory() if default is dataclasses.MISSING else default
+    if kwargs.get("seq", -1) < 0:
+        return cls(**kwargs)
+    obj = object.__new__(cls)
+    obj.__dict__.update(kwargs)
+    return obj
 
 
 _Spec = tuple[str, Any, Callable[[Any], bool], bool]
@@ -465,6 +496,22 @@ def _field_specs(cls: type[Event]) -> tuple[_Spec, ...]:
             (f.name, hints[f.name], _checker(hints[f.name]),
              f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
             for f in dataclasses.fields(cls))
+    return specs
+
+
+_SPECIAL_FIELDS = ID_FIELDS | {"producer", "seq"}
+"""Fields checked beyond their type (safe names, the producer map, a non-negative ``seq``)."""
+_EXACT: dict[Any, tuple[type, ...]] = {str: (str,), bytes: (bytes,), int: (int,), float: (int, float), bool: (bool,)}
+_FastSpec = tuple[str, Any, Callable[[Any], bool], bool, tuple[type, ...] | None]
+_FAST: dict[type[Event], tuple[_FastSpec, ...]] = {}
+
+
+def _fast_specs(cls: type[Event]) -> tuple[_FastSpec, ...]:
+    """``_field_specs`` plus, for a field of a plain scalar type, the exact types that pass its check
+    without calling it (``type(v) in`` them; msgpack makes exact types, and ``bool`` is not in int's)."""
+    specs = _FAST.get(cls)
+    if specs is None:
+        specs = _FAST[cls] = tuple((*spec, _EXACT.get(spec[1])) for spec in _field_specs(cls))
     return specs
 
 
