@@ -86,6 +86,7 @@ class Job:
     count: int
     batch: int = 16
     rate: float = 0.0  # offered events/s; 0: as fast as the publisher can
+    profile: str = ""  # a folder: each process writes a cProfile (CPU time) of its loop there
 
 
 def schedule(job: Job) -> Any:
@@ -250,6 +251,23 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def profiled(job: Job, side: int, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    """Run one side (0 publisher, 1 consumer) of ``job.path``, under cProfile (CPU time) if asked."""
+    fn = PATHS[job.path][side]
+    if not job.profile:
+        fn(job, ready, go, out)
+        return
+    import cProfile
+
+    prof = cProfile.Profile(time.process_time)
+    prof.enable()
+    try:
+        fn(job, ready, go, out)
+    finally:
+        prof.disable()
+        prof.dump_stats(os.path.join(job.profile, f"{job.path}-{('pub', 'sub')[side]}.prof"))
+
+
 def run_once(job: Job, server_pid: int) -> Result:
     ctx = mp.get_context("spawn")
     client = connect(job.url)
@@ -257,9 +275,8 @@ def run_once(job: Job, server_pid: int) -> Result:
     client.sadd(Keys(job.namespace).registered_groups(job.stream), GROUP)
     out = ctx.Queue()
     ready_pub, ready_sub, go = ctx.Event(), ctx.Event(), ctx.Event()
-    pub_fn, sub_fn = PATHS[job.path]
-    sub = ctx.Process(target=sub_fn, args=(job, ready_sub, go, out), name=f"{job.path}-consumer")
-    pub = ctx.Process(target=pub_fn, args=(job, ready_pub, go, out), name=f"{job.path}-publisher")
+    sub = ctx.Process(target=profiled, args=(job, 1, ready_sub, go, out), name=f"{job.path}-consumer")
+    pub = ctx.Process(target=profiled, args=(job, 0, ready_pub, go, out), name=f"{job.path}-publisher")
     sub.start()
     pub.start()
     try:
@@ -331,6 +348,25 @@ def spread(results: dict[str, list[Result]], path: str, attr: str) -> str:
     return f"{min(vals):,.0f}-{max(vals):,.0f}"
 
 
+def profile_paths(args: argparse.Namespace, paths: list[str]) -> int:
+    import pstats
+
+    os.makedirs(args.profile, exist_ok=True)
+    with RedisServer() as server:
+        for path in paths:
+            job = Job(path, server.url, "bench", f"rb:{{bench}}:stream:prof-{path}", args.n, args.size, args.count,
+                      args.batch, 0.0, os.path.abspath(args.profile))
+            assert server.proc is not None
+            r = run_once(job, server.proc.pid)
+            print(f"\n=== {path}: {r.rate:,.0f} msg/s under the profiler; cpu/event us: pub {r.pub_cpu_us:.1f} "
+                  f"sub {r.sub_cpu_us:.1f} redis {r.server_cpu_us:.1f}; load average {load1():.2f}")
+            for side in ("pub", "sub"):
+                print(f"--- {path} {side}: top functions by own CPU time")
+                stats = pstats.Stats(os.path.join(args.profile, f"{path}-{side}.prof"))
+                stats.sort_stats("tottime").print_stats(12)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=10_000, help="events per run")
@@ -341,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--many", action="store_true", help="add the publish_many path")
     p.add_argument("--batch", type=int, default=16, help="events per publish_many call of the 'many' path")
     p.add_argument("--verbose", action="store_true", help="print every run")
+    p.add_argument("--profile", metavar="DIR", help="one saturation run per path under cProfile (CPU time), "
+                   "stats written to DIR and summarised; no other runs")
     args = p.parse_args(argv)
 
     twin_bytes, project_bytes = wire_sizes(args.size)
@@ -349,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs, load average {load1():.2f} at start")
     paths = ["transport", "twin", "project"] + (["many"] if args.many else [])
     loads = [float(x) for x in args.loads.split(",") if x]
+    if args.profile:
+        return profile_paths(args, paths)
     with RedisServer() as server:
         sat = run_series(server, args, paths, 0.0, "sat")
         sat_load = load1()

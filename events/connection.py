@@ -210,6 +210,8 @@ def _give_back(pool: Any, held: list[Any]) -> None:
 
 def _exchange(conn: Any, packed: bytes, replies: int) -> list[Any]:
     """Send once and read ``replies`` replies; on a connection error disconnect and raise (never re-send)."""
+    if replies == 1:
+        return [_exchange_one(conn, packed)]
     out: list[Any] = []
     try:
         conn.send_packed_command([packed])
@@ -225,6 +227,22 @@ def _exchange(conn: Any, packed: bytes, replies: int) -> list[Any]:
         if conn.should_reconnect():
             conn.disconnect()
     return out
+
+
+def _exchange_one(conn: Any, packed: bytes) -> Any:
+    """``_exchange`` of a single command: its reply, an error reply as a ``ResponseError`` instance."""
+    try:
+        conn.send_packed_command([packed])
+        try:
+            return conn.read_response()
+        except redis.ResponseError as exc:
+            return exc.with_traceback(None)
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        if conn.should_reconnect():
+            conn.disconnect()
 
 
 def raise_errors(replies: list[Any]) -> list[Any]:

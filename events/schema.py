@@ -35,6 +35,7 @@ from rollout_bus.events.errors import DecodeError, InvalidRequest
 SCHEMA_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
 FIELD = b"e"
+_FIELD_STR = FIELD.decode()
 MAX_EVENT_BYTES = 1 << 20
 
 E = TypeVar("E", bound="Event")
@@ -404,7 +405,9 @@ def decode_as(cls: type[E], fields: Any) -> E:
 def _decode(fields: Any) -> Event:
     if not isinstance(fields, dict):
         raise DecodeError(f"entry fields must be a map, got {type(fields).__name__}", fields)
-    raw = fields.get(FIELD, fields.get(FIELD.decode()))
+    raw = fields.get(FIELD)
+    if raw is None:
+        raw = fields.get(_FIELD_STR)
     if raw is None:
         raise DecodeError(f"entry has no {FIELD.decode()!r} field", fields)
     if not isinstance(raw, bytes | bytearray | memoryview):
@@ -542,8 +545,18 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
     return lambda v: False
 
 
+_PRODUCERS: dict[tuple[str, str], Producer] = {}
+"""Producers decoded so far (a stream has few): one immutable ``Producer`` each, not one per event."""
+
+
 def _producer(value: Any, type_name: str, fields: Any) -> Producer:
-    if (not isinstance(value, dict) or not isinstance(value.get("role"), str)
-            or not isinstance(value.get("instance"), str)):
+    if (not isinstance(value, dict) or not isinstance(role := value.get("role"), str)
+            or not isinstance(instance := value.get("instance"), str)):
         raise DecodeError(f"{type_name}: producer must be {{role, instance}} strings", fields)
-    return Producer(value["role"], value["instance"])
+    key = (role, instance)
+    producer = _PRODUCERS.get(key)
+    if producer is None:
+        if len(_PRODUCERS) >= 4096:  # bounded whatever the entries say
+            _PRODUCERS.clear()
+        producer = _PRODUCERS[key] = Producer(role, instance)
+    return producer
