@@ -367,7 +367,8 @@ def profile_paths(args: argparse.Namespace, paths: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the bench and prints its tables; returns the ratios against the twins and the load averages."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=10_000, help="events per run")
     p.add_argument("--reps", type=int, default=5, help="runs of each path, alternated")
@@ -388,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = ["transport", "twin", "project"] + (["many"] if args.many else [])
     loads = [float(x) for x in args.loads.split(",") if x]
     if args.profile:
-        return profile_paths(args, paths)
+        profile_paths(args, paths)
+        return {}
     with RedisServer() as server:
         sat = run_series(server, args, paths, 0.0, "sat")
         sat_load = load1()
@@ -409,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"p99 {med(res, path, 'p99_ms'):6.3f} ms   p999 {med(res, path, 'p999_ms'):6.3f} ms")
     tput = med(sat, "project", "rate") / twin_rate
     price = med(sat, "project", "rate") / med(sat, "transport", "rate")
+    out: dict[str, Any] = {"throughput": tput, "transport": price, "sat_load": sat_load, "fixed_load": fixed_load}
     print()
     print(f"project / transport twin throughput: {price:.2f} (the price of deduplication and validation)")
     print(f"project / idempotent twin throughput: {tput:.2f} (target >= 0.95): {verdict(tput >= 0.95, sat_load)}")
@@ -416,14 +419,15 @@ def main(argv: list[str] | None = None) -> int:
         res = fixed[0.5]
         for q in ("p50_ms", "p99_ms"):
             r = med(res, "project", q) / med(res, "twin", q)
+            out[q[:-3]] = r
             print(f"project / idempotent twin {q[:-3]} at 0.5 load: {r:.2f} (target <= 1.0): "
                   f"{verdict(r <= 1.0, fixed_load)}")
     if args.many:
         many = med(sat, "many", "rate") / twin_rate
         print(f"many (publish_many x{args.batch}) / idempotent twin (serial): {many:.2f} "
               "(batched vs serial publishing: not like for like)")
-    return 0
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
