@@ -26,6 +26,7 @@ import math
 import os
 import struct
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ HASH_CHUNK = 2 << 20
 DEFAULT_MAX_BYTES = 1 << 30
 PARALLEL_HASH_MIN_BYTES = 16 << 20
 MAX_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+HELPER_EXIT_WAIT_S = 0.005
 _PREFIX = struct.Struct("<4sHHI")
 _ZEROS = bytes(ALIGN)
 
@@ -265,9 +267,12 @@ def checksum_views(views: Sequence[memoryview], chunk: int = HASH_CHUNK) -> int:
 class _Hasher:
     """Digests of pieces, taken in turn by helper threads and by the thread asking for the result.
 
-    ``result`` never waits for a helper: once no piece is left to take, it hashes itself any
-    piece a helper has not finished (a helper descheduled on a busy machine costs at most
-    that piece twice, never a scheduler time slice), and helpers stop taking pieces.
+    ``result`` never waits for a helper's hash: once no piece is left to take, it hashes itself
+    any piece a helper has not finished (a helper descheduled on a busy machine costs at most
+    that piece twice, never a scheduler time slice), and helpers stop taking pieces. It then
+    gives helpers at most ``HELPER_EXIT_WAIT_S`` to let go of the piece they hold: a view kept
+    alive by a helper keeps the hashed buffer alive (a reader's mapping of a shm segment, which
+    then cannot be recycled when the batch is released right after decoding).
     """
 
     def __init__(self, views: Sequence[memoryview], chunk: int) -> None:
@@ -277,26 +282,46 @@ class _Hasher:
         self._next = itertools.count()
         self._done = threading.Event()
         self._started = False
+        self._exits: list[threading.Event] = []
 
     def start(self, threads: int) -> None:
         if self._started:
             return
         self._started = True
         for _ in range(min(threads, len(self.pieces))):
-            _thread.start_new_thread(self._work, ())  # not threading.Thread: its start() waits for the thread
+            exited = threading.Event()
+            self._exits.append(exited)
+            _thread.start_new_thread(self._helper, (exited,))  # not threading.Thread: start() waits for the thread
+
+    def _helper(self, exited: threading.Event) -> None:
+        try:
+            self._work()
+        finally:
+            exited.set()
 
     def _work(self) -> None:
+        pieces, digests = self.pieces, self.digests
         while not self._done.is_set():
             i = next(self._next)
-            if i >= len(self.pieces):
+            try:
+                piece = pieces[i]
+            except IndexError:  # none left, or ``result`` has emptied the list
                 return
-            self.digests[i] = xxhash.xxh3_64_intdigest(self.pieces[i])
+            digests[i] = xxhash.xxh3_64_intdigest(piece)
+            del piece
 
     def result(self) -> int:
         self._work()
         self._done.set()
         out = [d if d is not None else xxhash.xxh3_64_intdigest(p) for d, p in zip(self.digests, self.pieces,
                                                                                   strict=True)]
+        # drop the views now: a helper thread not yet scheduled holds this object, and through the views
+        # the buffer hashed (a reader's mapping of a shm segment, which stays locked while it lives)
+        self.pieces.clear()
+        deadline = time.monotonic() + HELPER_EXIT_WAIT_S
+        for exited in self._exits:
+            if not exited.wait(max(0.0, deadline - time.monotonic())):
+                break
         return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(out)}Q", *out))
 
 
