@@ -434,6 +434,15 @@ def _decode(fields: Any) -> Event:
         data["seq"] = 0
     elif "seq" not in data:
         raise DecodeError(f"{type_name}: missing field 'seq'", fields)
+    fast = _FAST_DECODERS.get(cls)
+    if fast is None:
+        fast = _FAST_DECODERS[cls] = _compile_decoder(cls)
+    event = fast(data, fields)
+    return event if event is not None else _decode_fields(cls, data, fields, str(type_name))
+
+
+def _decode_fields(cls: type[Event], data: dict[str, Any], fields: Any, type_name: str) -> Event:
+    """The checked fields of ``data`` as a ``cls`` instance; ``DecodeError`` naming the first bad field."""
     kwargs: dict[str, Any] = {}
     for name, hint, check, required, exact in _fast_specs(cls):
         if name not in data:
@@ -455,6 +464,35 @@ def _decode(fields: Any) -> Event:
             raise DecodeError(f"{type_name}: field 'seq' is {value}, must be >= 0", fields)
         kwargs[name] = value
     return _build(cls, kwargs)
+
+
+_FAST_DECODERS: dict[type[Event], Callable[[dict[str, Any], Any], Event | None]] = {}
+
+
+def _compile_decoder(cls: type[Event]) -> Callable[[dict[str, Any], Any], Event | None]:
+    """``_decode_fields`` for ``cls`` as straight-line code, built once per class: the same checks,
+    field by field, without the loop and its per-field branching. It returns None on the first
+    field that fails a check; ``_decode_fields`` then runs and raises the error that names it."""
+    env: dict[str, Any] = {"_producer": _producer, "_build": _build, "_SAFE": SAFE_ID.fullmatch, "cls": cls,
+                           "_MISSING": _UNSET, "_type_name": cls.__name__}
+    lines = ["def decode_fields(data, fields):", "    kw = {}", "    get = data.get"]
+    for i, (name, _hint, check, required, exact) in enumerate(_fast_specs(cls)):
+        env[f"C{i}"], env[f"E{i}"] = check, exact or ()
+        lines += [f"    v = get({name!r}, _MISSING)", "    if v is _MISSING:",
+                  "        return None" if required else "        pass", "    else:"]
+        if name == "producer":
+            lines.append("        v = _producer(v, _type_name, fields)")
+        elif name in ID_FIELDS:
+            lines.append(f"        if not C{i}(v) or (v and not _SAFE(v)): return None")
+        elif name == "seq":
+            lines.append(f"        if not C{i}(v) or v < 0: return None")
+        else:
+            lines.append(f"        if type(v) not in E{i} and not C{i}(v): return None")
+        lines.append(f"        kw[{name!r}] = v")
+    lines.append("    return _build(cls, kw)")
+    exec("\n".join(lines), env)  # noqa: S102  # source built above from the class's own field names
+    fn: Callable[[dict[str, Any], Any], Event | None] = env["decode_fields"]
+    return fn
 
 
 _DEFAULTS: dict[type[Event], Any] = {}
