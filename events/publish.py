@@ -98,14 +98,15 @@ class Publisher:
         # the hot path: one packed EVALSHA on the kept connection, no per-call lists or closures
         lane = self._lane
         script = self._script
-        packed = pack_command(("EVALSHA", script.sha, 2, stream, dedupe_key, ttl_s, maxlen, FIELD, raw))
+        packed = pack_command(("EVALSHA", script.sha, 2, stream, dedupe_key, ttl_s, maxlen,  # type: ignore[arg-type]
+                               FIELD, raw))  # (hiredis' stub reads the argument as a 1-tuple)
 
         def send(c: redis.Redis) -> Any:
             reply = lane.execute(packed)[0]
             if isinstance(reply, NoScriptError):  # a restarted or flushed server: empty cache
                 script.sha = c.script_load(script.script)
-                reply = lane.execute(pack_command(("EVALSHA", script.sha, 2, stream, dedupe_key, ttl_s, maxlen,
-                                                   FIELD, raw)))[0]
+                reply = lane.execute(pack_command(("EVALSHA", script.sha, 2, stream, dedupe_key,  # type: ignore[arg-type]
+                                                   ttl_s, maxlen, FIELD, raw)))[0]
             if isinstance(reply, redis.ResponseError):
                 raise reply
             return reply
