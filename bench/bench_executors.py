@@ -13,7 +13,9 @@ same number of identical jobs (``--jobs-per-executor``). Every executor count ru
 ``--repeats`` times, interleaved; figures are medians. Reported:
 
 - samples/s per executor count (median and spread) and the scaling efficiency
-  ``rate_N / (N * rate_1)`` of the medians;
+  ``rate_N / (N * rate_1)`` of the medians, beside the bound the cost model sets if each
+  executor keeps one job's samples spread evenly over the engines (step time at 1 executor's
+  batch over step time at N executors' batch);
 - the share of an executor's wall time spent outside engine calls: per executor,
   ``1 - engine_busy / span``, where ``engine_busy`` is the time at least one of its engine
   calls was in flight (measured inside the executor) and ``span`` runs from its first
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import statistics
@@ -173,6 +176,16 @@ def dispatch_overhead(url: str, n: int) -> tuple[float, float]:
     return warm_ms, cold_ms
 
 
+def cost_model_bound(args: argparse.Namespace, n: int, base_n: int) -> float:
+    """The efficiency the engines' step cost allows at ``n`` executors, if every executor keeps one
+    job's samples in flight, spread evenly over the engines: step time at the base count's batch
+    over step time at this count's batch."""
+    def step_ms(executors: int) -> float:
+        batch = min(args.max_batch_size, math.ceil(executors * args.groups * args.samples / args.engines))
+        return args.token_delay_ms + args.token_delay_per_seq_ms * batch
+    return step_ms(base_n) / step_ms(n)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the bench and prints its table; returns the median efficiency per executor count and the load."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,13 +229,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                           f"{os.getloadavg()[0]:.2f})", flush=True)
             rate = {n: statistics.median(r["rate"] for r in rs) for n, rs in runs.items()}
             base = rate[counts[0]] / counts[0]
-            print(f"{'executors':>9} {'samples/s median':>17} {'spread':>13} {'efficiency':>10} "
+            print(f"{'executors':>9} {'samples/s median':>17} {'spread':>13} {'efficiency':>10} {'cost model':>10} "
                   f"{'outside(span) max':>18} {'outside(job) mean':>18}")
             eff: dict[int, float] = {}
             for n, rs in runs.items():
                 eff[n] = rate[n] / (n * base)
                 rates = [r["rate"] for r in rs]
                 print(f"{n:>9} {rate[n]:>17.1f} {min(rates):>6.1f}-{max(rates):<6.1f} {eff[n]:>10.3f} "
+                      f"{cost_model_bound(args, n, counts[0]):>10.3f} "
                       f"{max(max(r['outside_span']) for r in rs):>17.2%} "
                       f"{statistics.median(statistics.mean(r['outside_job']) for r in rs):>17.2%}")
             fast = EngineProcess(weights, token_delay_ms=0)  # no token delay: dispatch cost shows
