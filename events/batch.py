@@ -46,7 +46,8 @@ HASH_CHUNK = 2 << 20
 DEFAULT_MAX_BYTES = 1 << 30
 PARALLEL_HASH_MIN_BYTES = 16 << 20
 MAX_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
-HELPER_EXIT_WAIT_S = 0.005
+HELPER_EXIT_WAIT_S = 0.05
+"""How long verifying a received batch waits for hash helpers to let go of its buffer (see ``_Hasher``)."""
 _PREFIX = struct.Struct("<4sHHI")
 _ZEROS = bytes(ALIGN)
 
@@ -256,9 +257,11 @@ def encode(tensors: Mapping[str, torch.Tensor | Ragged], meta: Mapping[str, Any]
 
 # --- checksum ----------------------------------------------------------------------------
 
-def checksum_views(views: Sequence[memoryview], chunk: int = HASH_CHUNK) -> int:
-    """xxh3-64 over the xxh3-64 digests of each field's bytes cut into ``chunk``-byte pieces."""
-    hasher = _Hasher(views, chunk)
+def checksum_views(views: Sequence[memoryview], chunk: int = HASH_CHUNK, release_wait_s: float = 0.0) -> int:
+    """xxh3-64 over the xxh3-64 digests of each field's bytes cut into ``chunk``-byte pieces.
+
+    ``release_wait_s``: how long to wait for helper threads to let go of the views (``_Hasher``)."""
+    hasher = _Hasher(views, chunk, release_wait_s)
     if hasher.nbytes >= PARALLEL_HASH_MIN_BYTES and MAX_HASH_THREADS > 1:
         hasher.start(MAX_HASH_THREADS - 1)
     return hasher.result()
@@ -269,13 +272,15 @@ class _Hasher:
 
     ``result`` never waits for a helper's hash: once no piece is left to take, it hashes itself
     any piece a helper has not finished (a helper descheduled on a busy machine costs at most
-    that piece twice, never a scheduler time slice), and helpers stop taking pieces. It then
-    gives helpers at most ``HELPER_EXIT_WAIT_S`` to let go of the piece they hold: a view kept
-    alive by a helper keeps the hashed buffer alive (a reader's mapping of a shm segment, which
-    then cannot be recycled when the batch is released right after decoding).
+    that piece twice, never a scheduler time slice), and helpers stop taking pieces. When asked
+    (``release_wait_s``, at decode) it then gives helpers that long to let go of the piece they
+    hold: a view kept alive by a helper keeps the hashed buffer alive (a reader's mapping of a shm
+    segment, whose lock then keeps it from being recycled when the batch is released right after
+    decoding, so the next batch pays for a fresh segment: 30-100 ms of page allocation against
+    a wait that is only long when a helper was descheduled mid-piece).
     """
 
-    def __init__(self, views: Sequence[memoryview], chunk: int) -> None:
+    def __init__(self, views: Sequence[memoryview], chunk: int, release_wait_s: float = 0.0) -> None:
         self.pieces = [v[i:i + chunk] for v in views for i in range(0, v.nbytes, chunk)]
         self.nbytes = sum(v.nbytes for v in views)
         self.digests: list[int | None] = [None] * len(self.pieces)
@@ -283,6 +288,7 @@ class _Hasher:
         self._done = threading.Event()
         self._started = False
         self._exits: list[threading.Event] = []
+        self._release_wait_s = release_wait_s
 
     def start(self, threads: int) -> None:
         if self._started:
@@ -318,8 +324,8 @@ class _Hasher:
         # drop the views now: a helper thread not yet scheduled holds this object, and through the views
         # the buffer hashed (a reader's mapping of a shm segment, which stays locked while it lives)
         self.pieces.clear()
-        deadline = time.monotonic() + HELPER_EXIT_WAIT_S
-        for exited in self._exits:
+        deadline = time.monotonic() + self._release_wait_s
+        for exited in self._exits if self._release_wait_s > 0 else ():
             if not exited.wait(max(0.0, deadline - time.monotonic())):
                 break
         return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(out)}Q", *out))
@@ -397,7 +403,8 @@ def _decode(buffer: Any, verify: bool) -> Batch:
     readonly = mv.readonly
     fields = [_field(r, data_nbytes) for r in records]
     if verify:
-        actual = checksum_views([data[f.offset:f.offset + f.nbytes] for f in fields], hash_chunk)
+        actual = checksum_views([data[f.offset:f.offset + f.nbytes] for f in fields], hash_chunk,
+                                HELPER_EXIT_WAIT_S)
         if actual != checksum:
             raise ChecksumMismatch(f"batch checksum mismatch: header says {checksum:#018x}, bytes hash to "
                                    f"{actual:#018x} (corrupted or truncated payload)")
