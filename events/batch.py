@@ -126,6 +126,7 @@ class EncodedBatch:
                  checksum_at: int) -> None:
         self.buffers = buffers
         self.nbytes = nbytes
+        self._fields = {id(v) for v in views}  # which of ``buffers`` are hashed (the rest is padding)
         self._hasher = _Hasher(views, HASH_CHUNK)
         self._keep = keep
         self._checksum_at = checksum_at
@@ -139,12 +140,15 @@ class EncodedBatch:
     def finish(self) -> int:
         """Complete the checksum (helping the background threads) and write it into the header."""
         if self._checksum is None:
-            value = self._hasher.result()
-            header = self.buffers[0]
-            assert isinstance(header, bytearray)
-            header[self._checksum_at:self._checksum_at + 8] = value.to_bytes(8, "little")
-            self._checksum = value
+            self._set_checksum(self._hasher.result())
+        assert self._checksum is not None
         return self._checksum
+
+    def _set_checksum(self, value: int) -> None:
+        header = self.buffers[0]
+        assert isinstance(header, bytearray)
+        header[self._checksum_at:self._checksum_at + 8] = value.to_bytes(8, "little")
+        self._checksum = value
 
     @property
     def checksum(self) -> int:
@@ -156,16 +160,32 @@ class EncodedBatch:
         return b"".join(self.buffers)
 
     def write_into(self, out: Any, offset: int = 0) -> None:
-        """Copy the batch into the writable buffer ``out`` at ``offset``: the tensor bytes first
-        (numpy copies without the GIL, so background hashing runs alongside), the header last."""
-        self.start_checksum()
+        """Copy the batch into the writable buffer ``out`` at ``offset``: the tensor bytes first, the
+        header last. Each ``HASH_CHUNK`` piece is hashed from ``out`` right after it is copied, while
+        it is still in cache (one read of the tensors' memory instead of two); a batch whose hash
+        already started (``start_checksum``) or finished is copied and its hash finished as it is."""
         dst = np.frombuffer(out, dtype=np.uint8)
         pos = offset + len(self.buffers[0])
-        for buf in self.buffers[1:]:
-            src = np.frombuffer(buf, dtype=np.uint8)
-            np.copyto(dst[pos:pos + src.nbytes], src)
-            pos += src.nbytes
-        self.finish()
+        if self._checksum is not None or self._hasher._started:
+            for buf in self.buffers[1:]:
+                src = np.frombuffer(buf, dtype=np.uint8)
+                np.copyto(dst[pos:pos + src.nbytes], src)
+                pos += src.nbytes
+            self.finish()
+        else:
+            digests: list[int] = []
+            for buf in self.buffers[1:]:
+                src = np.frombuffer(buf, dtype=np.uint8)
+                if id(buf) not in self._fields:  # alignment padding: not hashed
+                    np.copyto(dst[pos:pos + src.nbytes], src)
+                    pos += src.nbytes
+                    continue
+                for i in range(0, src.nbytes, HASH_CHUNK):
+                    piece = dst[pos + i:pos + min(i + HASH_CHUNK, src.nbytes)]
+                    np.copyto(piece, src[i:i + HASH_CHUNK])
+                    digests.append(xxhash.xxh3_64_intdigest(piece.data))
+                pos += src.nbytes
+            self._set_checksum(_combine(digests))
         dst[offset:offset + len(self.buffers[0])] = np.frombuffer(self.buffers[0], dtype=np.uint8)
 
 
@@ -328,7 +348,12 @@ class _Hasher:
         for exited in self._exits if self._release_wait_s > 0 else ():
             if not exited.wait(max(0.0, deadline - time.monotonic())):
                 break
-        return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(out)}Q", *out))
+        return _combine(out)
+
+
+def _combine(digests: Sequence[int]) -> int:
+    """The batch checksum from the digests of its pieces, in order."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
 
 
 # --- decoding ----------------------------------------------------------------------------
