@@ -9,6 +9,8 @@ batch decoded and has touched every 4 KiB page; medians over ``--reps`` after wa
   store put, Lua XADD) -> the consumer's XREADGROUP -> fetch (get + decode + checksum
   verify) -> touch; the consumer then acks and releases, so pooled shm segments recycle.
   The redis store runs over TCP and, as an extra row, over a unix socket.
+* ``shm store, unverified``: the default shm store whose consumer skips the checksum
+  check, beside the verified one: what that guarantee costs on this path.
 * ``ray``: ``ray.put`` of the four numpy arrays in the producer, ``ray.get`` in an actor
   (skipped if ray cannot be imported or started).
 
@@ -259,7 +261,8 @@ class RayPath:
 # --- main ----------------------------------------------------------------------------------
 
 LABELS = {"tcp": "tcp floor (loopback)", "redis": "redis store (tcp)", "redis-unix": "redis store (unix socket)",
-          "shm": "shm store (/dev/shm)", "shm-shared": "shm store, reads=shared", "file": "file store (tmp dir)",
+          "shm": "shm store (/dev/shm)", "shm-shared": "shm store, reads=shared",
+          "shm-unverified": "shm store, unverified", "file": "file store (tmp dir)",
           "ray": "ray object store"}
 
 
@@ -297,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "redis-unix": lambda: StorePath(f"unix://{sock_dir}/redis.sock?db=0", "redis", tensors, verify),
         "shm": lambda: StorePath(server.url, "shm", tensors, verify),
         "shm-shared": lambda: StorePath(server.url, "shm?reads=shared", tensors, verify),
+        "shm-unverified": lambda: StorePath(server.url, "shm", tensors, False),
         "file": lambda: StorePath(server.url, f"file:{file_root}", tensors, verify),
         "ray": lambda: RayPath(tensors),
     }

@@ -94,14 +94,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if "handoff" not in skip:
         import bench_handoff
 
-        cfg = ["--reps", "3" if q else "9", "--warmup", "1" if q else "2", "--only", "tcp,redis,shm,shm-shared,ray"]
+        cfg = ["--reps", "3" if q else "9", "--warmup", "1" if q else "2", "--only",
+               "tcp,redis,shm,shm-shared,shm-unverified,ray"]
         r, took = run_bench("handoff " + " ".join(cfg), lambda: bench_handoff.main(cfg), log)
         med = r["median_ms"]
         if "tcp" in med and "redis" in med:
             x = med["redis"] / med["tcp"]
             rows.append(Row("handoff 64 MiB", "redis store / tcp floor (reused buffer), time", x, "<= 2.0", x <= 2.0,
                             r["load"], took))
-        for name, label in (("shm", "shm store (default) / ray, time"), ("shm-shared", "shm store reads=shared / ray")):
+        for name, label in (("shm", "shm store (default) / ray, time"), ("shm-shared", "shm store reads=shared / ray"),
+                            ("shm-unverified", "shm store, checksum unverified / ray")):
             if name in med and "ray" in med:
                 x = med[name] / med["ray"]
                 rows.append(Row("handoff 64 MiB", label, x, "< 1.0" if name == "shm" else "-",
