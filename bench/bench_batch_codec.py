@@ -5,8 +5,12 @@
 The baseline copies the same bytes (from the tensors' memory, which encode reads too)
 into a preallocated numpy buffer. Figures are medians
 of ``--reps`` after warm-up, all variants interleaved in one run; "speed vs memcpy" is memcpy time / codec time
-(the target is >= 0.75). Variants show the hash with one thread and with the default
-thread count (xxhash releases the GIL, so pieces hash in parallel).
+(the target is >= 0.75). The headline is encode + copy into one buffer + decode: every real
+store copies the encoded batch once (into shared memory, a file, a socket), so a codec that
+is only compared without that copy flatters itself; it runs as the shm store runs it (the
+checksum deferred, each piece hashed right after it is copied). Variants show the hash on a labelled
+number of threads (the caller plus helpers; xxhash releases the GIL, so pieces hash in
+parallel), and how many threads did hash pieces in a probe run is printed, not assumed.
 
 Usage: python bench/bench_batch_codec.py [--reps 30] [--mib 64]
 """
@@ -17,6 +21,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -63,11 +68,34 @@ def with_threads(n: int, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def main() -> None:
+def hashing_threads(tensors: dict[str, torch.Tensor], n: int) -> int:
+    """How many distinct threads hash pieces of one encode with ``n`` threads allowed (a probe run)."""
+    seen: set[int] = set()
+    real = batch_mod.xxhash
+
+    class Probe:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        @staticmethod
+        def xxh3_64_intdigest(data: object) -> int:
+            seen.add(threading.get_ident())
+            return real.xxh3_64_intdigest(data)  # type: ignore[arg-type]
+
+    batch_mod.xxhash = Probe()  # type: ignore[assignment]
+    try:
+        with_threads(n, lambda: encode(tensors, {}))()
+    finally:
+        batch_mod.xxhash = real
+    return len(seen)
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Runs the bench and prints its table; returns the headline ratio and the load average."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--mib", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     tensors = make_tensors(args.mib)
     enc = encode(tensors, {"policy": "bench", "rollout_id": 1})
@@ -95,31 +123,39 @@ def main() -> None:
 
     def codec_copy_overlapped() -> None:
         e = encode(tensors, {"policy": "bench", "rollout_id": 1}, defer_checksum=True)
-        e.write_into(wire.data)  # hashes in the background while numpy copies, as the stores do
+        e.write_into(wire.data)  # hashes each piece right after copying it, as the shm store does
         decode(wire.data)
 
     print(f"{nbytes / 2**20:.0f} MiB in {len(tensors)} tensors (int32, int64, float32, bfloat16); median of "
           f"{args.reps}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     threads = batch_mod.MAX_HASH_THREADS
+    load_start = os.getloadavg()[0]
+    used = {n: hashing_threads(tensors, n) for n in sorted({threads, 1})}
     variants: dict[str, Callable[[], object]] = {"memcpy (np.copyto into a preallocated buffer)": memcpy}
-    for label, n in ((f"{threads} hash threads", threads), ("1 hash thread", 1)):
-        variants[f"encode + decode, checksum, {label}"] = with_threads(n, codec)
+    variants["encode + copy into one buffer + decode (headline)"] = codec_copy_overlapped
+    variants["  the same, hashed at encode, before the copy"] = codec_copy
+    for n in sorted({threads, 1}, reverse=True):
+        label = f"{n} hash thread{'s' if n > 1 else ''} allowed"
+        variants[f"encode + decode, no copy, {label}"] = with_threads(n, codec)
         variants[f"  encode only, {label}"] = with_threads(n, lambda: encode(tensors, {}))
         variants[f"  decode only, {label}"] = with_threads(n, lambda: decode(wire.data))
     variants["decode without verifying the checksum"] = lambda: decode(wire.data, verify=False)
-    variants["encode + copy into one buffer + decode"] = codec_copy
-    variants["  the same, hash overlapped with the copy"] = codec_copy_overlapped
     rows = list(interleaved_ms(variants, args.reps).items())
     base, base_min = rows[0][1]
-    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    load = max(load_start, os.getloadavg()[0])
+    print(f"load average {os.getloadavg()[0]:.2f} at end; threads that hashed pieces in a probe encode: "
+          + ", ".join(f"{u} of {n} allowed" for n, u in used.items()))
     print()
-    print(f"{'':48} {'median ms':>9} {'GB/s':>6} {'vs memcpy':>9} {'min ms':>7} {'vs memcpy':>9}")
+    print(f"{'':56} {'median ms':>9} {'GB/s':>6} {'vs memcpy':>9} {'min ms':>7} {'vs memcpy':>9}")
     for label, (ms, best) in rows:
-        print(f"{label:48} {ms:9.2f} {nbytes / ms / 1e6:6.2f} {base / ms:9.2f} {best:7.2f} {base_min / best:9.2f}")
+        print(f"{label:56} {ms:9.2f} {nbytes / ms / 1e6:6.2f} {base / ms:9.2f} {best:7.2f} {base_min / best:9.2f}")
     ratio = base / rows[1][1][0]
+    no_copy = base / dict(rows)[next(k for k in dict(rows) if k.startswith("encode + decode, no copy"))][0]
     print()
-    print(f"target: encode+decode >= 0.75 of memcpy speed (medians): {ratio:.2f} -> "
-          f"{'met' if ratio >= 0.75 else 'MISSED'}")
+    state = f"no verdict (load average {load:.2f} > 1)" if load > 1 else ("met" if ratio >= 0.75 else "MISSED")
+    print(f"target: encode + copy + decode >= 0.75 of memcpy speed (medians): {ratio:.2f} -> {state} "
+          f"(without the copy: {no_copy:.2f})")
+    return {"ratio": ratio, "no_copy": no_copy, "load": load}
 
 
 if __name__ == "__main__":

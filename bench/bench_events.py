@@ -1,19 +1,30 @@
-"""Event bus throughput and latency against a bare redis-py loop, on one private redis-server.
+"""Event bus throughput and latency against two hand-written twins, on one private redis-server.
 
 A publisher process and a consumer process move ``--n`` events of ``--size`` bytes
-through one stream and one consumer group. Two paths, alternated within one run:
+through one stream and one consumer group. The paths, alternated within one run:
 
-- bare:    ``XADD`` per event; ``XREADGROUP COUNT c`` then one ``XACK`` per batch read;
-- project: ``events.publish.Publisher.publish`` per event (typed event, msgpack, idempotent
-           Lua publish) and ``events.consume.Consumer.run`` (read, decode, handle, ack);
-- many:    as project, but ``Publisher.publish_many`` sends ``--batch`` events (each still
-           deduplicated) per round trip. The bare loop stays one serial XADD per event, so
-           many / bare is not like for like: it shows what batching producers gain.
+- transport: the best loop a competent user writes with the project's own shortcuts and no
+             guarantees: a msgpack map (id, send time, payload) per event, ``XADD`` packed with
+             hiredis and sent on a kept connection; the consumer sends ``XACK`` of the previous
+             batch and ``XREADGROUP COUNT c BLOCK`` in one packed send on a kept connection and
+             unpacks each entry. project / transport is the price of the project's guarantees.
+- twin:      the same, but every publish is deduplicated like the project's: one Lua script
+             (``SET dedupe-key 1 NX EX ttl``, then ``XADD``) sent as a packed ``EVALSHA``.
+             The target is set against this one;
+- project:   ``events.publish.Publisher.publish`` per event (typed event, msgpack, idempotent
+             Lua publish) and ``events.consume.Consumer.run`` (read, decode and validate, handle,
+             ack with the next read);
+- many:      (``--many``) as project, but ``Publisher.publish_many`` sends ``--batch`` events per
+             round trip: not like for like with the serial paths, it shows what batching gains.
 
-Each event carries its send time (``time.time_ns``); the consumer takes the one-way latency
-when it has the decoded event in hand. Throughput is events / (last receive - first send).
+Two kinds of run: saturation (the publisher sends as fast as it can; events / (last receive -
+first send) is the throughput) and fixed offered load (``--loads 0.5,0.9``: the publisher
+sends on a schedule at that fraction of the twin's saturation rate, the same schedule for
+every path). Latency is one-way, from the event's scheduled send time to the consumer having
+it decoded; at saturation it measures how far the consumer falls behind, so the latency
+figures to read are the fixed-load ones (p50 / p99 / p999).
 
-    python bench/bench_events.py [--n 10000] [--reps 5] [--size 1024] [--count 64] [--batch 16]
+    python bench/bench_events.py [--n 10000] [--reps 5] [--size 1024] [--count 64] [--loads 0.5,0.9]
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import msgpack  # noqa: E402
+from hiredis import pack_command  # noqa: E402
+
 from rollout_bus.events.connection import connect  # noqa: E402
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message  # noqa: E402
 from rollout_bus.events.embedded import RedisServer  # noqa: E402
@@ -42,11 +56,20 @@ from rollout_bus.events.schema import Event, Producer, encode  # noqa: E402
 GROUP = "bench"
 PRODUCER = Producer("bench", "0")
 TIMEOUT_S = 120.0
+TWIN_TTL_S = 600  # the project's dedupe keys of event ids live as long (events.publish.RETRY_DEDUPE_TTL_S)
+
+# the idempotent twin's publish: a dedupe key set only if new, then the entry; nil on a repeat
+TWIN_SCRIPT = """
+if redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[1], '*', 'e', ARGV[2])
+end
+return false
+"""
 
 
 @dataclass(frozen=True, kw_only=True)
 class BenchTick(Event):
-    """One benchmark event: its send time and an opaque payload."""
+    """One benchmark event: its (scheduled) send time and an opaque payload."""
 
     sent_ns: int
     data: bytes
@@ -54,7 +77,7 @@ class BenchTick(Event):
 
 @dataclass(frozen=True)
 class Job:
-    path: str  # "bare" or "project"
+    path: str  # a key of PATHS
     url: str
     namespace: str
     stream: str
@@ -62,22 +85,90 @@ class Job:
     size: int
     count: int
     batch: int = 16
+    rate: float = 0.0  # offered events/s; 0: as fast as the publisher can
+    profile: str = ""  # a folder: each process writes a cProfile (CPU time) of its loop there
 
 
-# --- the two paths ------------------------------------------------------------------------
+def schedule(job: Job) -> Any:
+    """Yields each event's send time (ns): now for saturation runs, else after sleeping until its slot."""
+    if job.rate <= 0:
+        for _ in range(job.n):
+            yield time.time_ns()
+        return
+    start = time.time_ns() + 1_000_000
+    step = 1e9 / job.rate
+    for i in range(job.n):
+        due = start + int(i * step)
+        wait = due - time.time_ns()
+        if wait > 0:
+            time.sleep(wait / 1e9)
+        yield due  # the scheduled time: a late send counts its lateness (no coordinated omission)
 
-def publish_bare(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
-    r = connect(job.url)
+
+def kept_connection(url: str) -> Any:
+    """One connection of a client's pool, kept for the process: what the twins send packed commands on."""
+    client = connect(url)
+    conn = client.connection_pool.get_connection()
+    return client, conn
+
+
+# --- the twins -------------------------------------------------------------------------------
+
+def publish_twin(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    client, conn = kept_connection(job.url)
+    idempotent = job.path == "twin"
+    sha = client.script_load(TWIN_SCRIPT)
+    dedupe_prefix = f"{Keys(job.namespace).prefix}twin-dedupe:{job.stream}:"
+    packer = msgpack.Packer(use_bin_type=True)
     blob = bytes(job.size)
-    r.ping()
     ready.set()
     go.wait()
     cpu0 = time.process_time()
     t0 = time.time_ns()
-    for _ in range(job.n):
-        r.xadd(job.stream, {b"ts": str(time.time_ns()).encode(), b"d": blob})
+    for sent in schedule(job):
+        event_id = os.urandom(16).hex()
+        raw = packer.pack({"id": event_id, "sent_ns": sent, "data": blob})
+        if idempotent:
+            conn.send_packed_command([pack_command(("EVALSHA", sha, 2, job.stream, dedupe_prefix + event_id,
+                                                    TWIN_TTL_S, raw))])
+        else:
+            conn.send_packed_command([pack_command(("XADD", job.stream, "*", "e", raw))])
+        if conn.read_response() is None:
+            raise RuntimeError("twin publish reported a duplicate of a fresh id")
     out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
 
+
+def consume_twin(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    _client, conn = kept_connection(job.url)
+    read = pack_command(("XREADGROUP", "GROUP", GROUP, "c0", "COUNT", job.count, "BLOCK", 1000,
+                         "STREAMS", job.stream, ">"))
+    lat: list[int] = []
+    acks: list[bytes] = []
+    ready.set()
+    cpu0 = time.process_time()
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(lat) < job.n and time.monotonic() < deadline:
+        if acks:  # the previous batch's acks go first, in the same send as the next read
+            conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks)) + read])
+            conn.read_response()
+        else:
+            conn.send_packed_command([read])
+        reply: Any = conn.read_response()
+        acks = []
+        if not reply:
+            continue
+        entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]  # RESP3 or RESP2
+        for entry_id, fields in entries:
+            data = msgpack.unpackb(fields[1], raw=False)
+            lat.append(time.time_ns() - data["sent_ns"])
+            acks.append(entry_id)
+    if acks:
+        conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks))])
+        conn.read_response()
+    out.put(("sub", time.time_ns(), lat, time.process_time() - cpu0))
+
+
+# --- the project -------------------------------------------------------------------------------
 
 def publish_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
     client = connect(job.url)
@@ -89,8 +180,8 @@ def publish_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
     go.wait()
     cpu0 = time.process_time()
     t0 = time.time_ns()
-    for _ in range(job.n):
-        pub.publish(job.stream, BenchTick(producer=PRODUCER, sent_ns=time.time_ns(), data=blob))
+    for sent in schedule(job):
+        pub.publish(job.stream, BenchTick(producer=PRODUCER, sent_ns=sent, data=blob))
     out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
 
 
@@ -107,24 +198,6 @@ def publish_project_many(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> Non
         pub.publish_many(job.stream, [BenchTick(producer=PRODUCER, sent_ns=time.time_ns(), data=blob)
                                       for _ in range(min(job.batch, job.n - start))])
     out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
-
-
-def consume_bare(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
-    r = connect(job.url)
-    r.ping()
-    lat: list[int] = []
-    ready.set()
-    cpu0 = time.process_time()
-    deadline = time.monotonic() + TIMEOUT_S
-    while len(lat) < job.n and time.monotonic() < deadline:
-        reply: Any = r.xreadgroup(GROUP, "c0", {job.stream: ">"}, count=job.count, block=1000)
-        if not reply:
-            continue
-        entries = reply[0][1]
-        for _entry_id, fields in entries:
-            lat.append(time.time_ns() - int(fields[b"ts"]))
-        r.xack(job.stream, GROUP, *[e[0] for e in entries])
-    out.put(("sub", time.time_ns(), lat, time.process_time() - cpu0))
 
 
 def consume_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
@@ -149,8 +222,8 @@ def consume_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
     out.put(("sub", time.time_ns(), lat, time.process_time() - cpu0))
 
 
-PATHS = {"bare": (publish_bare, consume_bare), "project": (publish_project, consume_project),
-         "many": (publish_project_many, consume_project)}
+PATHS = {"transport": (publish_twin, consume_twin), "twin": (publish_twin, consume_twin),
+         "project": (publish_project, consume_project), "many": (publish_project_many, consume_project)}
 
 
 # --- one run ------------------------------------------------------------------------------------
@@ -161,6 +234,7 @@ class Result:
     rate: float
     p50_ms: float
     p99_ms: float
+    p999_ms: float
     pub_cpu_us: float  # CPU time per event of the publisher process, the consumer process, redis-server
     sub_cpu_us: float
     server_cpu_us: float
@@ -177,6 +251,23 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def profiled(job: Job, side: int, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    """Run one side (0 publisher, 1 consumer) of ``job.path``, under cProfile (CPU time) if asked."""
+    fn = PATHS[job.path][side]
+    if not job.profile:
+        fn(job, ready, go, out)
+        return
+    import cProfile
+
+    prof = cProfile.Profile(time.process_time)
+    prof.enable()
+    try:
+        fn(job, ready, go, out)
+    finally:
+        prof.disable()
+        prof.dump_stats(os.path.join(job.profile, f"{job.path}-{('pub', 'sub')[side]}.prof"))
+
+
 def run_once(job: Job, server_pid: int) -> Result:
     ctx = mp.get_context("spawn")
     client = connect(job.url)
@@ -184,9 +275,8 @@ def run_once(job: Job, server_pid: int) -> Result:
     client.sadd(Keys(job.namespace).registered_groups(job.stream), GROUP)
     out = ctx.Queue()
     ready_pub, ready_sub, go = ctx.Event(), ctx.Event(), ctx.Event()
-    pub_fn, sub_fn = PATHS[job.path]
-    sub = ctx.Process(target=sub_fn, args=(job, ready_sub, go, out), name=f"{job.path}-consumer")
-    pub = ctx.Process(target=pub_fn, args=(job, ready_pub, go, out), name=f"{job.path}-publisher")
+    sub = ctx.Process(target=profiled, args=(job, 1, ready_sub, go, out), name=f"{job.path}-consumer")
+    pub = ctx.Process(target=profiled, args=(job, 0, ready_pub, go, out), name=f"{job.path}-publisher")
     sub.start()
     pub.start()
     try:
@@ -206,63 +296,138 @@ def run_once(job: Job, server_pid: int) -> Result:
     sub_end, lat, sub_cpu = got["sub"]
     if len(lat) != job.n:
         raise RuntimeError(f"{job.path}: consumer got {len(lat)} of {job.n} events")
-    q = statistics.quantiles(lat, n=100)
-    client.delete(job.stream, job.stream + ":warmup")
+    q = statistics.quantiles(lat, n=1000)
+    client.flushdb()  # the stream, its dedupe keys: each run starts from an empty server
     client.close()
     per_event_us = 1e6 / job.n
-    return Result(job.path, job.n / ((sub_end - t0) / 1e9), q[49] / 1e6, q[98] / 1e6,
+    return Result(job.path, job.n / ((sub_end - t0) / 1e9), q[499] / 1e6, q[989] / 1e6, q[998] / 1e6,
                   pub_cpu * per_event_us, sub_cpu * per_event_us, server_cpu * per_event_us)
 
 
 def wire_sizes(size: int) -> tuple[int, int]:
-    bare = len(b"ts") + 19 + len(b"d") + size
+    twin = 1 + len(msgpack.packb({"id": "0" * 32, "sent_ns": time.time_ns(), "data": bytes(size)}))
     project = sum(len(k) + len(v) for k, v in encode(
         BenchTick(producer=PRODUCER, sent_ns=time.time_ns(), data=bytes(size))).items())
-    return bare, project
+    return twin, project
 
 
-def main(argv: list[str] | None = None) -> int:
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def verdict(ok: bool, load: float) -> str:
+    """met / MISSED, or no verdict when other work on the machine may have decided it."""
+    if load > 1.0:
+        return f"no verdict (load average {load:.2f} > 1)"
+    return "met" if ok else "MISSED"
+
+
+def run_series(server: RedisServer, args: argparse.Namespace, paths: list[str], rate: float, tag: str
+               ) -> dict[str, list[Result]]:
+    results: dict[str, list[Result]] = {p: [] for p in paths}
+    for rep in range(args.reps):
+        order = paths if rep % 2 == 0 else paths[::-1]
+        for path in order:
+            job = Job(path, server.url, "bench", f"rb:{{bench}}:stream:bench-{tag}-{rep}-{path}", args.n,
+                      args.size, args.count, args.batch, rate)
+            assert server.proc is not None
+            r = run_once(job, server.proc.pid)
+            results[path].append(r)
+            if args.verbose:
+                print(f"  {tag} rep {rep} {path:9s} {r.rate:9,.0f} msg/s   p50 {r.p50_ms:6.3f} ms   "
+                      f"p99 {r.p99_ms:6.3f} ms   load {load1():.2f}", flush=True)
+    return results
+
+
+def med(results: dict[str, list[Result]], path: str, attr: str) -> float:
+    return statistics.median(getattr(r, attr) for r in results[path])
+
+
+def spread(results: dict[str, list[Result]], path: str, attr: str) -> str:
+    vals = [getattr(r, attr) for r in results[path]]
+    return f"{min(vals):,.0f}-{max(vals):,.0f}"
+
+
+def profile_paths(args: argparse.Namespace, paths: list[str]) -> int:
+    import pstats
+
+    os.makedirs(args.profile, exist_ok=True)
+    with RedisServer() as server:
+        for path in paths:
+            job = Job(path, server.url, "bench", f"rb:{{bench}}:stream:prof-{path}", args.n, args.size, args.count,
+                      args.batch, 0.0, os.path.abspath(args.profile))
+            assert server.proc is not None
+            r = run_once(job, server.proc.pid)
+            print(f"\n=== {path}: {r.rate:,.0f} msg/s under the profiler; cpu/event us: pub {r.pub_cpu_us:.1f} "
+                  f"sub {r.sub_cpu_us:.1f} redis {r.server_cpu_us:.1f}; load average {load1():.2f}")
+            for side in ("pub", "sub"):
+                print(f"--- {path} {side}: top functions by own CPU time")
+                stats = pstats.Stats(os.path.join(args.profile, f"{path}-{side}.prof"))
+                stats.sort_stats("tottime").print_stats(12)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the bench and prints its tables; returns the ratios against the twins and the load averages."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=10_000, help="events per run")
     p.add_argument("--reps", type=int, default=5, help="runs of each path, alternated")
     p.add_argument("--size", type=int, default=1024, help="payload bytes per event")
-    p.add_argument("--count", type=int, default=64, help="XREADGROUP COUNT of both consumers")
+    p.add_argument("--count", type=int, default=64, help="XREADGROUP COUNT of every consumer")
+    p.add_argument("--loads", default="0.5,0.9", help="offered loads, as fractions of the twin's saturation rate")
+    p.add_argument("--many", action="store_true", help="add the publish_many path")
     p.add_argument("--batch", type=int, default=16, help="events per publish_many call of the 'many' path")
+    p.add_argument("--verbose", action="store_true", help="print every run")
+    p.add_argument("--profile", metavar="DIR", help="one saturation run per path under cProfile (CPU time), "
+                   "stats written to DIR and summarised; no other runs")
     args = p.parse_args(argv)
 
-    bare_bytes, project_bytes = wire_sizes(args.size)
+    twin_bytes, project_bytes = wire_sizes(args.size)
     print(f"{args.n} events x {args.reps} reps per path; payload {args.size} B "
-          f"(on the wire: bare {bare_bytes} B, project {project_bytes} B); XREADGROUP COUNT {args.count}")
-    results: dict[str, list[Result]] = {"bare": [], "project": [], "many": []}
+          f"(event on the wire: twins {twin_bytes} B, project {project_bytes} B); XREADGROUP COUNT {args.count}; "
+          f"{os.cpu_count()} CPUs, load average {load1():.2f} at start")
+    paths = ["transport", "twin", "project"] + (["many"] if args.many else [])
+    loads = [float(x) for x in args.loads.split(",") if x]
+    if args.profile:
+        profile_paths(args, paths)
+        return {}
     with RedisServer() as server:
-        for rep in range(args.reps):
-            order = ["bare", "project", "many"] if rep % 2 == 0 else ["many", "project", "bare"]
-            for path in order:
-                job = Job(path, server.url, "bench", f"rb:{{bench}}:stream:bench-{rep}-{path}", args.n,
-                          args.size, args.count, args.batch)
-                assert server.proc is not None
-                r = run_once(job, server.proc.pid)
-                results[path].append(r)
-                print(f"  rep {rep} {path:8s} {r.rate:9,.0f} msg/s   p50 {r.p50_ms:6.3f} ms   p99 {r.p99_ms:6.3f} ms"
-                      f"   cpu/event us: pub {r.pub_cpu_us:5.1f} sub {r.sub_cpu_us:5.1f} redis {r.server_cpu_us:5.1f}",
-                      flush=True)
+        sat = run_series(server, args, paths, 0.0, "sat")
+        sat_load = load1()
+        twin_rate = med(sat, "twin", "rate")
+        fixed = {f: run_series(server, args, ["twin", "project"], f * twin_rate, f"load{f:g}") for f in loads}
+        fixed_load = load1()
 
-    def med(path: str, attr: str) -> float:
-        return statistics.median(getattr(r, attr) for r in results[path])
-
-    print("medians:")
-    for path in ("bare", "project", "many"):
-        print(f"  {path:8s} {med(path, 'rate'):9,.0f} msg/s   p50 {med(path, 'p50_ms'):6.3f} ms   "
-              f"p99 {med(path, 'p99_ms'):6.3f} ms   cpu/event us: pub {med(path, 'pub_cpu_us'):5.1f} "
-              f"sub {med(path, 'sub_cpu_us'):5.1f} redis {med(path, 'server_cpu_us'):5.1f} "
-              f"sum {med(path, 'total_cpu_us'):5.1f}")
-    ratio = med("project", "rate") / med("bare", "rate")
-    print(f"project / bare throughput: {ratio:.2f} (target >= 0.90): {'OK' if ratio >= 0.9 else 'BELOW TARGET'}")
-    many = med("many", "rate") / med("bare", "rate")
-    print(f"many (publish_many x{args.batch}) / bare (serial XADD) throughput: {many:.2f} "
-          "(batched vs serial publishing: not like for like)")
-    return 0
+    print(f"\nsaturation (medians of {args.reps}; load average {sat_load:.2f}):")
+    for path in paths:
+        print(f"  {path:9s} {med(sat, path, 'rate'):9,.0f} msg/s (spread {spread(sat, path, 'rate')})   "
+              f"cpu/event us: pub {med(sat, path, 'pub_cpu_us'):5.1f} sub {med(sat, path, 'sub_cpu_us'):5.1f} "
+              f"redis {med(sat, path, 'server_cpu_us'):5.1f} sum {med(sat, path, 'total_cpu_us'):5.1f}")
+    for f, res in fixed.items():
+        print(f"fixed offered load {f:g} x twin saturation = {f * twin_rate:,.0f} msg/s "
+              f"(medians of {args.reps}; load average {fixed_load:.2f}):")
+        for path in res:
+            print(f"  {path:9s} {med(res, path, 'rate'):9,.0f} msg/s   p50 {med(res, path, 'p50_ms'):6.3f} ms   "
+                  f"p99 {med(res, path, 'p99_ms'):6.3f} ms   p999 {med(res, path, 'p999_ms'):6.3f} ms")
+    tput = med(sat, "project", "rate") / twin_rate
+    price = med(sat, "project", "rate") / med(sat, "transport", "rate")
+    out: dict[str, Any] = {"throughput": tput, "transport": price, "sat_load": sat_load, "fixed_load": fixed_load}
+    print()
+    print(f"project / transport twin throughput: {price:.2f} (the price of deduplication and validation)")
+    print(f"project / idempotent twin throughput: {tput:.2f} (target >= 0.95): {verdict(tput >= 0.95, sat_load)}")
+    if 0.5 in fixed:
+        res = fixed[0.5]
+        for q in ("p50_ms", "p99_ms"):
+            r = med(res, "project", q) / med(res, "twin", q)
+            out[q[:-3]] = r
+            print(f"project / idempotent twin {q[:-3]} at 0.5 load: {r:.2f} (target <= 1.0): "
+                  f"{verdict(r <= 1.0, fixed_load)}")
+    if args.many:
+        many = med(sat, "many", "rate") / twin_rate
+        print(f"many (publish_many x{args.batch}) / idempotent twin (serial): {many:.2f} "
+              "(batched vs serial publishing: not like for like)")
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,12 +1,21 @@
 """Executor scaling and overhead: samples/s with 1, 2 and 4 executors against delayed CPU engines.
 
-    python bench/bench_executors.py [--engines 4] [--token-delay-ms 40] [--executors 1,2,4] ...
+    python bench/bench_executors.py [--engines 4] [--token-delay-ms 50] [--token-delay-per-seq-ms 1]
+                                    [--executors 1,2,4] [--repeats 3] ...
 
-Engines sleep ``--token-delay-ms`` per decode step, so engine time dominates and is not
-CPU bound; every executor gets the same number of identical jobs (``--jobs-per-executor``),
-so with enough engine capacity the rate should grow linearly with executors. Reported:
+Engines spend an accelerator's time per decode step, as a cost model
+(``engine.scheduler.step_delay_s``): ``--token-delay-ms`` for the step plus
+``--token-delay-per-seq-ms`` for every sequence in it, so a fuller batch is cheaper per token
+but not free, and more executors sharing the engines do not get engine capacity for nothing
+(with the per-sequence part 0, the engines would scale for free and the efficiency would be
+near 1 by construction). Engine time dominates and is not CPU bound; every executor gets the
+same number of identical jobs (``--jobs-per-executor``). Every executor count runs
+``--repeats`` times, interleaved; figures are medians. Reported:
 
-- samples/s per executor count and the scaling efficiency ``rate_N / (N * rate_1)``;
+- samples/s per executor count (median and spread) and the scaling efficiency
+  ``rate_N / (N * rate_1)`` of the medians, beside the bound the cost model sets if each
+  executor keeps one job's samples spread evenly over the engines (step time at 1 executor's
+  batch over step time at N executors' batch);
 - the share of an executor's wall time spent outside engine calls: per executor,
   ``1 - engine_busy / span``, where ``engine_busy`` is the time at least one of its engine
   calls was in flight (measured inside the executor) and ``span`` runs from its first
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import statistics
@@ -166,12 +176,26 @@ def dispatch_overhead(url: str, n: int) -> tuple[float, float]:
     return warm_ms, cold_ms
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def cost_model_bound(args: argparse.Namespace, n: int, base_n: int) -> float:
+    """The efficiency the engines' step cost allows at ``n`` executors, if every executor keeps one
+    job's samples in flight, spread evenly over the engines: step time at the base count's batch
+    over step time at this count's batch."""
+    def step_ms(executors: int) -> float:
+        batch = min(args.max_batch_size, math.ceil(executors * args.groups * args.samples / args.engines))
+        return args.token_delay_ms + args.token_delay_per_seq_ms * batch
+    return step_ms(base_n) / step_ms(n)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the bench and prints its table; returns the median efficiency per executor count and the load."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--token-delay-ms", type=float, default=50.0)
+    p.add_argument("--token-delay-ms", type=float, default=50.0, help="fixed part of a decode step's cost")
+    p.add_argument("--token-delay-per-seq-ms", type=float, default=1.0,
+                   help="part of a decode step's cost per sequence in the step")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--executors", default="1,2,4")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every executor count, interleaved")
     p.add_argument("--jobs-per-executor", type=int, default=4)
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--samples", type=int, default=4)
@@ -179,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dispatch-calls", type=int, default=200)
     args = p.parse_args(argv)
     counts = [int(x) for x in args.executors.split(",")]
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         weights = make_weights_dir(logs / "weights")
@@ -186,20 +211,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines: list[EngineProcess] = []
         try:
             for _ in range(args.engines):  # one at a time, so a failed start still stops the others
-                engines.append(EngineProcess(weights, token_delay_ms=args.token_delay_ms,
-                                             extra_args=("--max-batch-size", str(args.max_batch_size))))
-            print(f"# {args.engines} engines, {args.token_delay_ms:g} ms/token, max batch {args.max_batch_size}; "
+                engines.append(EngineProcess(weights, token_delay_ms=args.token_delay_ms, extra_args=(
+                    "--max-batch-size", str(args.max_batch_size),
+                    "--token-delay-per-seq-ms", str(args.token_delay_per_seq_ms))))
+            print(f"# {args.engines} engines; step cost {args.token_delay_ms:g} ms + "
+                  f"{args.token_delay_per_seq_ms:g} ms per sequence in the step, max batch {args.max_batch_size}; "
                   f"jobs of {args.groups}x{args.samples} samples x {args.max_new_tokens} tokens, "
-                  f"{args.jobs_per_executor} jobs per executor; {os.cpu_count()} CPUs")
-            results = [run_once(server.url, engines, n, args, logs) for n in counts]
-            base = results[0]["rate"] / results[0]["executors"]
-            print(f"{'executors':>9} {'jobs':>5} {'samples':>8} {'span_s':>7} {'samples/s':>10} {'efficiency':>10} "
-                  f"{'outside(span) max':>18} {'outside(job) mean':>18} jobs/executor")
-            for r in results:
-                eff = r["rate"] / (r["executors"] * base)
-                print(f"{r['executors']:>9} {r['jobs']:>5} {r['samples']:>8} {r['span_s']:>7.2f} {r['rate']:>10.1f} "
-                      f"{eff:>10.3f} {max(r['outside_span']):>17.2%} {statistics.mean(r['outside_job']):>17.2%} "
-                      f"{r['jobs_per_exec']}")
+                  f"{args.jobs_per_executor} jobs per executor; {args.repeats} repeats; {os.cpu_count()} CPUs, "
+                  f"load average {load:.2f} at start", flush=True)
+            runs: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
+            for rep in range(args.repeats):
+                for n in counts if rep % 2 == 0 else counts[::-1]:
+                    r = run_once(server.url, engines, n, args, logs)
+                    runs[n].append(r)
+                    load = max(load, os.getloadavg()[0])
+                    print(f"  rep {rep}: {n} executor(s) {r['rate']:.1f} samples/s (load average "
+                          f"{os.getloadavg()[0]:.2f})", flush=True)
+            rate = {n: statistics.median(r["rate"] for r in rs) for n, rs in runs.items()}
+            base = rate[counts[0]] / counts[0]
+            print(f"{'executors':>9} {'samples/s median':>17} {'spread':>13} {'efficiency':>10} {'cost model':>10} "
+                  f"{'outside(span) max':>18} {'outside(job) mean':>18}")
+            eff: dict[int, float] = {}
+            for n, rs in runs.items():
+                eff[n] = rate[n] / (n * base)
+                rates = [r["rate"] for r in rs]
+                print(f"{n:>9} {rate[n]:>17.1f} {min(rates):>6.1f}-{max(rates):<6.1f} {eff[n]:>10.3f} "
+                      f"{cost_model_bound(args, n, counts[0]):>10.3f} "
+                      f"{max(max(r['outside_span']) for r in rs):>17.2%} "
+                      f"{statistics.median(statistics.mean(r['outside_job']) for r in rs):>17.2%}")
             fast = EngineProcess(weights, token_delay_ms=0)  # no token delay: dispatch cost shows
             try:
                 warm, cold = dispatch_overhead(fast.url, args.dispatch_calls)
@@ -211,8 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for e in engines:
                 e.kill()
             server.stop()
-    return 0
+    load = max(load, os.getloadavg()[0])
+    top = counts[-1]
+    state = f"no verdict (load average {load:.2f} > 1)" if load > 1 else ("met" if eff[top] >= 0.9 else "MISSED")
+    print(f"target: scaling efficiency at {top} executors >= 0.9 (medians): {eff[top]:.3f} -> {state}")
+    return {"efficiency": eff, "load": load}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

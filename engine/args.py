@@ -16,6 +16,7 @@ class EngineArgs:
     weight_version: str = "default"
     served_model_name: str | None = None
     token_delay_ms: float = 0.0
+    token_delay_per_seq_ms: float = 0.0
     max_batch_size: int = 32
     seed: int = 0
     device: str = "cpu"
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weight-version", default="default", help="version reported for the initial weights")
     parser.add_argument("--served-model-name", default=None, help="defaults to --model-path")
     parser.add_argument("--token-delay-ms", type=float, default=0.0, help="fixed sleep per decode step")
+    parser.add_argument("--token-delay-per-seq-ms", type=float, default=0.0,
+                        help="more sleep per decode step for each sequence in it (a step cost that grows with "
+                             "the batch)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="most sequences decoded together")
     parser.add_argument("--seed", type=int, default=0, help="seeds sampling of requests without sampling_seed")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -90,6 +94,8 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineArgs:
         parser.error("--max-batch-size must be >= 1")
     if ns.token_delay_ms < 0:
         parser.error("--token-delay-ms must be >= 0")
+    if ns.token_delay_per_seq_ms < 0:
+        parser.error("--token-delay-per-seq-ms must be >= 0")
     if ns.torch_threads < 1:
         parser.error("--torch-threads must be >= 1")
     if ns.max_loras_per_batch < 1:

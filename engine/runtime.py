@@ -44,7 +44,8 @@ class Engine:
             self.model.attach_adapter(name, path)
         self.scheduler = Scheduler(
             self.model,
-            SchedulerConfig(max_batch_size=args.max_batch_size, token_delay_ms=args.token_delay_ms, seed=args.seed),
+            SchedulerConfig(max_batch_size=args.max_batch_size, token_delay_ms=args.token_delay_ms,
+                            token_delay_per_seq_ms=args.token_delay_per_seq_ms, seed=args.seed),
         )
 
     def start(self) -> None:

@@ -4,7 +4,8 @@ Each iteration runs the commands that arrived (submit, abort, pause, weight swap
 admits waiting sequences up to ``max_batch_size``, then makes one step on the served model's
 decode batch: a decode step for the sequences already in it and a prefill for new ones, which then
 join it. Every row picks its adapter (or the base weights) in the same forward. Commands only run
-between steps, so a weight swap is atomic with respect to decoding. During ``--token-delay-ms``
+between steps, so a weight swap is atomic with respect to decoding. During a step's delay
+(``--token-delay-ms`` plus ``--token-delay-per-seq-ms`` per sequence in the step: ``step_delay_s``)
 commands keep running.
 
 Paused (``in_place`` or ``retract``), or with ``weights``/``kv_cache`` released, the scheduler
@@ -47,6 +48,8 @@ FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because re
 class SchedulerConfig:
     max_batch_size: int = 32
     token_delay_ms: float = 0.0
+    token_delay_per_seq_ms: float = 0.0
+    """The step's delay grows by this for every sequence in it (see ``step_delay_s``)."""
     seed: int = 0
     idle_poll_s: float = 0.5
 
@@ -55,6 +58,18 @@ class SchedulerConfig:
 class UpdateOutcome:
     carried: int
     flushed: bool
+
+
+def step_delay_s(config: SchedulerConfig, rows: int) -> float:
+    """The time an accelerator would spend on a step of ``rows`` sequences, as a cost model.
+
+    ``token_delay_ms + token_delay_per_seq_ms * rows``: a decode step reads every weight once
+    whatever the batch (the fixed part) and each sequence's KV cache and activations (the part
+    that grows with the batch), so a fuller batch is cheaper per token but never free. With
+    ``token_delay_per_seq_ms`` 0 the step costs the same at any batch size.
+    """
+    ms = config.token_delay_ms + config.token_delay_per_seq_ms * rows
+    return ms / 1000 if ms > 0 else 0.0
 
 
 class Scheduler:
@@ -76,6 +91,7 @@ class Scheduler:
         self.paused: PauseMode | None = None
         self.released: frozenset[str] = frozenset()
         self.steps = 0
+        self._last_step_rows = 0
         self.flushes = 0
         self.counts = (0, 0)  # running, waiting
         self._stopping = False
@@ -315,8 +331,9 @@ class Scheduler:
                 logger.exception("step failed; aborting the running sequences")
                 self._batch.clear()
                 self._abort(list(self._running), f"engine error: {exc}", status_code=500)
-            if self.config.token_delay_ms > 0:
-                self._run_commands_until(time.monotonic() + self.config.token_delay_ms / 1000)
+            delay_s = step_delay_s(self.config, self._last_step_rows)
+            if delay_s > 0:
+                self._run_commands_until(time.monotonic() + delay_s)
         self._abort(self._matching(None), "the engine is shutting down", status_code=503)
         for waiters in self._unloading.values():
             for waiter in waiters:
@@ -392,6 +409,7 @@ class Scheduler:
                     seq.in_batch = True
                 self._advance(fresh, logits)
         self.steps += 1
+        self._last_step_rows = len(warm) + len(fresh)
         self._count()
 
     def _advance(self, seqs: list[Seq], logits: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ import math
 import os
 import struct
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ HASH_CHUNK = 2 << 20
 DEFAULT_MAX_BYTES = 1 << 30
 PARALLEL_HASH_MIN_BYTES = 16 << 20
 MAX_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+HELPER_EXIT_WAIT_S = 0.05
+"""How long verifying a received batch waits for hash helpers to let go of its buffer (see ``_Hasher``)."""
 _PREFIX = struct.Struct("<4sHHI")
 _ZEROS = bytes(ALIGN)
 
@@ -123,6 +126,7 @@ class EncodedBatch:
                  checksum_at: int) -> None:
         self.buffers = buffers
         self.nbytes = nbytes
+        self._fields = {id(v) for v in views}  # which of ``buffers`` are hashed (the rest is padding)
         self._hasher = _Hasher(views, HASH_CHUNK)
         self._keep = keep
         self._checksum_at = checksum_at
@@ -136,12 +140,15 @@ class EncodedBatch:
     def finish(self) -> int:
         """Complete the checksum (helping the background threads) and write it into the header."""
         if self._checksum is None:
-            value = self._hasher.result()
-            header = self.buffers[0]
-            assert isinstance(header, bytearray)
-            header[self._checksum_at:self._checksum_at + 8] = value.to_bytes(8, "little")
-            self._checksum = value
+            self._set_checksum(self._hasher.result())
+        assert self._checksum is not None
         return self._checksum
+
+    def _set_checksum(self, value: int) -> None:
+        header = self.buffers[0]
+        assert isinstance(header, bytearray)
+        header[self._checksum_at:self._checksum_at + 8] = value.to_bytes(8, "little")
+        self._checksum = value
 
     @property
     def checksum(self) -> int:
@@ -153,16 +160,32 @@ class EncodedBatch:
         return b"".join(self.buffers)
 
     def write_into(self, out: Any, offset: int = 0) -> None:
-        """Copy the batch into the writable buffer ``out`` at ``offset``: the tensor bytes first
-        (numpy copies without the GIL, so background hashing runs alongside), the header last."""
-        self.start_checksum()
+        """Copy the batch into the writable buffer ``out`` at ``offset``: the tensor bytes first, the
+        header last. Each ``HASH_CHUNK`` piece is hashed from ``out`` right after it is copied, while
+        it is still in cache (one read of the tensors' memory instead of two); a batch whose hash
+        already started (``start_checksum``) or finished is copied and its hash finished as it is."""
         dst = np.frombuffer(out, dtype=np.uint8)
         pos = offset + len(self.buffers[0])
-        for buf in self.buffers[1:]:
-            src = np.frombuffer(buf, dtype=np.uint8)
-            np.copyto(dst[pos:pos + src.nbytes], src)
-            pos += src.nbytes
-        self.finish()
+        if self._checksum is not None or self._hasher._started:
+            for buf in self.buffers[1:]:
+                src = np.frombuffer(buf, dtype=np.uint8)
+                np.copyto(dst[pos:pos + src.nbytes], src)
+                pos += src.nbytes
+            self.finish()
+        else:
+            digests: list[int] = []
+            for buf in self.buffers[1:]:
+                src = np.frombuffer(buf, dtype=np.uint8)
+                if id(buf) not in self._fields:  # alignment padding: not hashed
+                    np.copyto(dst[pos:pos + src.nbytes], src)
+                    pos += src.nbytes
+                    continue
+                for i in range(0, src.nbytes, HASH_CHUNK):
+                    piece = dst[pos + i:pos + min(i + HASH_CHUNK, src.nbytes)]
+                    np.copyto(piece, src[i:i + HASH_CHUNK])
+                    digests.append(xxhash.xxh3_64_intdigest(piece.data))
+                pos += src.nbytes
+            self._set_checksum(_combine(digests))
         dst[offset:offset + len(self.buffers[0])] = np.frombuffer(self.buffers[0], dtype=np.uint8)
 
 
@@ -254,9 +277,11 @@ def encode(tensors: Mapping[str, torch.Tensor | Ragged], meta: Mapping[str, Any]
 
 # --- checksum ----------------------------------------------------------------------------
 
-def checksum_views(views: Sequence[memoryview], chunk: int = HASH_CHUNK) -> int:
-    """xxh3-64 over the xxh3-64 digests of each field's bytes cut into ``chunk``-byte pieces."""
-    hasher = _Hasher(views, chunk)
+def checksum_views(views: Sequence[memoryview], chunk: int = HASH_CHUNK, release_wait_s: float = 0.0) -> int:
+    """xxh3-64 over the xxh3-64 digests of each field's bytes cut into ``chunk``-byte pieces.
+
+    ``release_wait_s``: how long to wait for helper threads to let go of the views (``_Hasher``)."""
+    hasher = _Hasher(views, chunk, release_wait_s)
     if hasher.nbytes >= PARALLEL_HASH_MIN_BYTES and MAX_HASH_THREADS > 1:
         hasher.start(MAX_HASH_THREADS - 1)
     return hasher.result()
@@ -265,39 +290,70 @@ def checksum_views(views: Sequence[memoryview], chunk: int = HASH_CHUNK) -> int:
 class _Hasher:
     """Digests of pieces, taken in turn by helper threads and by the thread asking for the result.
 
-    ``result`` never waits for a helper: once no piece is left to take, it hashes itself any
-    piece a helper has not finished (a helper descheduled on a busy machine costs at most
-    that piece twice, never a scheduler time slice), and helpers stop taking pieces.
+    ``result`` never waits for a helper's hash: once no piece is left to take, it hashes itself
+    any piece a helper has not finished (a helper descheduled on a busy machine costs at most
+    that piece twice, never a scheduler time slice), and helpers stop taking pieces. When asked
+    (``release_wait_s``, at decode) it then gives helpers that long to let go of the piece they
+    hold: a view kept alive by a helper keeps the hashed buffer alive (a reader's mapping of a shm
+    segment, whose lock then keeps it from being recycled when the batch is released right after
+    decoding, so the next batch pays for a fresh segment: 30-100 ms of page allocation against
+    a wait that is only long when a helper was descheduled mid-piece).
     """
 
-    def __init__(self, views: Sequence[memoryview], chunk: int) -> None:
+    def __init__(self, views: Sequence[memoryview], chunk: int, release_wait_s: float = 0.0) -> None:
         self.pieces = [v[i:i + chunk] for v in views for i in range(0, v.nbytes, chunk)]
         self.nbytes = sum(v.nbytes for v in views)
         self.digests: list[int | None] = [None] * len(self.pieces)
         self._next = itertools.count()
         self._done = threading.Event()
         self._started = False
+        self._exits: list[threading.Event] = []
+        self._release_wait_s = release_wait_s
 
     def start(self, threads: int) -> None:
         if self._started:
             return
         self._started = True
         for _ in range(min(threads, len(self.pieces))):
-            _thread.start_new_thread(self._work, ())  # not threading.Thread: its start() waits for the thread
+            exited = threading.Event()
+            self._exits.append(exited)
+            _thread.start_new_thread(self._helper, (exited,))  # not threading.Thread: start() waits for the thread
+
+    def _helper(self, exited: threading.Event) -> None:
+        try:
+            self._work()
+        finally:
+            exited.set()
 
     def _work(self) -> None:
+        pieces, digests = self.pieces, self.digests
         while not self._done.is_set():
             i = next(self._next)
-            if i >= len(self.pieces):
+            try:
+                piece = pieces[i]
+            except IndexError:  # none left, or ``result`` has emptied the list
                 return
-            self.digests[i] = xxhash.xxh3_64_intdigest(self.pieces[i])
+            digests[i] = xxhash.xxh3_64_intdigest(piece)
+            del piece
 
     def result(self) -> int:
         self._work()
         self._done.set()
         out = [d if d is not None else xxhash.xxh3_64_intdigest(p) for d, p in zip(self.digests, self.pieces,
                                                                                   strict=True)]
-        return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(out)}Q", *out))
+        # drop the views now: a helper thread not yet scheduled holds this object, and through the views
+        # the buffer hashed (a reader's mapping of a shm segment, which stays locked while it lives)
+        self.pieces.clear()
+        deadline = time.monotonic() + self._release_wait_s
+        for exited in self._exits if self._release_wait_s > 0 else ():
+            if not exited.wait(max(0.0, deadline - time.monotonic())):
+                break
+        return _combine(out)
+
+
+def _combine(digests: Sequence[int]) -> int:
+    """The batch checksum from the digests of its pieces, in order."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
 
 
 # --- decoding ----------------------------------------------------------------------------
@@ -372,7 +428,8 @@ def _decode(buffer: Any, verify: bool) -> Batch:
     readonly = mv.readonly
     fields = [_field(r, data_nbytes) for r in records]
     if verify:
-        actual = checksum_views([data[f.offset:f.offset + f.nbytes] for f in fields], hash_chunk)
+        actual = checksum_views([data[f.offset:f.offset + f.nbytes] for f in fields], hash_chunk,
+                                HELPER_EXIT_WAIT_S)
         if actual != checksum:
             raise ChecksumMismatch(f"batch checksum mismatch: header says {checksum:#018x}, bytes hash to "
                                    f"{actual:#018x} (corrupted or truncated payload)")

@@ -178,9 +178,9 @@ class Lane:
             try:
                 held = self._held
                 conn = held[0]
-                if conn is None or held[1] != os.getpid():  # after a fork the parent's socket is not ours
+                if conn is None or held[1] != _PID[0]:  # after a fork the parent's socket is not ours
                     conn = held[0] = self._pool.get_connection()
-                    held[1] = os.getpid()
+                    held[1] = _PID[0]
                 return _exchange(conn, packed, replies)
             finally:
                 self._lock.release()
@@ -196,6 +196,11 @@ class Lane:
             _give_back(self._pool, self._held)
 
 
+_PID = [os.getpid()]
+"""This process's id, kept current across forks: ``os.getpid`` is a system call, and a lane asks per command."""
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
 def _give_back(pool: Any, held: list[Any]) -> None:
     conn, pid = held
     held[0] = None
@@ -205,6 +210,8 @@ def _give_back(pool: Any, held: list[Any]) -> None:
 
 def _exchange(conn: Any, packed: bytes, replies: int) -> list[Any]:
     """Send once and read ``replies`` replies; on a connection error disconnect and raise (never re-send)."""
+    if replies == 1:
+        return [_exchange_one(conn, packed)]
     out: list[Any] = []
     try:
         conn.send_packed_command([packed])
@@ -220,6 +227,22 @@ def _exchange(conn: Any, packed: bytes, replies: int) -> list[Any]:
         if conn.should_reconnect():
             conn.disconnect()
     return out
+
+
+def _exchange_one(conn: Any, packed: bytes) -> Any:
+    """``_exchange`` of a single command: its reply, an error reply as a ``ResponseError`` instance."""
+    try:
+        conn.send_packed_command([packed])
+        try:
+            return conn.read_response()
+        except redis.ResponseError as exc:
+            return exc.with_traceback(None)
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        if conn.should_reconnect():
+            conn.disconnect()
 
 
 def raise_errors(replies: list[Any]) -> list[Any]:

@@ -31,7 +31,7 @@ import redis
 from rollout_bus.events.connection import Guard, Lane, as_str, is_busygroup, pack, raise_errors
 from rollout_bus.events.errors import DecodeError, RedisCommandError
 from rollout_bus.events.names import Keys
-from rollout_bus.events.paging import stream_entries
+from rollout_bus.events.paging import entries_of, stream_entries
 from rollout_bus.events.schema import Event, decode
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class Consumer:
         self._claim_cursor = "0-0"
         self._group_ready = False
         self._unacked: list[str] = []  # handled in run(): acked together with the next read
+        self._packed_reads: dict[tuple[str, int, int | None], bytes] = {}
         self._beat_due = 0.0
         self._beat = client.register_script(_BEAT)
         self.dead_lettered = 0
@@ -171,18 +172,25 @@ class Consumer:
 
     def _xreadgroup_direct(self, start: str, count: int, block: int | None) -> list[tuple[Any, Any]]:
         """``_xreadgroup`` on the lane: the pending acks (XACK first) and the read in one packed send."""
-        if block is None:
-            packed = pack("XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, "STREAMS", self.stream, start)
-        else:
-            packed = pack("XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, "BLOCK", block,
-                          "STREAMS", self.stream, start)
+        key = (start, count, block)
+        packed = self._packed_reads.get(key) if start == ">" else None
+        if packed is None:
+            if block is None:
+                packed = pack("XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, "STREAMS", self.stream,
+                              start)
+            else:
+                packed = pack("XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, "BLOCK", block,
+                              "STREAMS", self.stream, start)
+            if start == ">":  # the same few reads over and over: packed once
+                self._packed_reads[key] = packed
         acks = self._unacked
         if acks:
             packed = pack("XACK", self.stream, self.group, *acks) + packed
-        replies = self.guard.call(lambda c: raise_errors(self._lane.execute(packed, 2 if acks else 1)))
+        lane = self._lane
+        replies = self.guard.call(lambda c: raise_errors(lane.execute(packed, 2 if acks else 1)))
         if acks:
             self._unacked = []
-        return [(e.entry_id, e.fields) for e in stream_entries(replies[-1])]
+        return entries_of(replies[-1])
 
     def _autoclaim(self, count: int) -> list[tuple[Any, Any]]:
         """Take over entries idle for ``claim_idle_ms``, resuming the scan where the last one stopped.
@@ -237,26 +245,27 @@ class Consumer:
         return counts
 
     def _accept(self, raw: list[tuple[Any, Any]], pending: bool) -> list[Message]:
-        ids = [as_str(entry_id) for entry_id, _ in raw]
+        ids = [entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id) for entry_id, _ in raw]
         counts = self._deliveries(ids) if pending and ids else {}
         out: list[Message] = []
         trimmed: list[str] = []
+        decoder, stream, max_deliveries = self.decoder, self.stream, self.config.max_deliveries
         for (_entry_id, fields), sid in zip(raw, ids, strict=True):
             if not fields:  # trimmed while pending: Redis gives nil, redis-py 8 an empty map
                 trimmed.append(sid)
                 continue
-            deliveries = counts.get(sid, 1)
-            if deliveries > self.config.max_deliveries:
-                self.dead_letter(sid, fields, f"delivered {deliveries} times (max {self.config.max_deliveries})",
-                                 deliveries)
+            deliveries = counts.get(sid, 1) if counts else 1
+            if deliveries > max_deliveries:
+                self.dead_letter(sid, fields, f"delivered {deliveries} times (max {max_deliveries})", deliveries)
                 continue
             try:
-                event = self.decoder(fields)
+                event = decoder(fields)
             except DecodeError as exc:
                 self.dead_letter(sid, fields, exc.reason, deliveries)
                 continue
-            out.append(Message(self.stream, sid, event, deliveries, fields))
-        self.ack(*trimmed)
+            out.append(Message(stream, sid, event, deliveries, fields))
+        if trimmed:
+            self.ack(*trimmed)
         return out
 
     # --- acknowledging ------------------------------------------------------------------

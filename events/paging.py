@@ -78,6 +78,15 @@ def stream_entries(reply: Any) -> list[StreamEntry]:
     return out
 
 
+def entries_of(reply: Any) -> list[tuple[Any, dict[Any, Any]]]:
+    """``stream_entries`` for a consumer's hot path: (raw entry id, field map) of every entry, in order,
+    without naming the stream (a consumer reads one) or decoding ids it decodes once itself."""
+    if not reply:
+        return []
+    rows = reply.values() if isinstance(reply, dict) else [entries for _stream, entries in reply]
+    return [(entry_id, _field_map(fields)) for entries in rows for entry_id, fields in entries or ()]
+
+
 def _field_map(fields: Any) -> dict[Any, Any]:
     if not fields:
         return {}

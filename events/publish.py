@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
+from hiredis import pack_command
 from redis.exceptions import NoScriptError
 
 from rollout_bus.events.connection import Guard, Lane, as_str, pack, raise_errors
@@ -90,9 +91,27 @@ class Publisher:
                 maxlen: int = 0) -> str:
         """Append ``event``; the idempotency key defaults to the event id, so a retry is safe."""
         raw = encode_bytes(event)
-        call = ((stream, self._dedupe_key(stream, idempotency_key or event.event_id)),
-                (self.dedupe_ttl_s if idempotency_key else self.retry_ttl_s, maxlen, FIELD, raw))
-        return self._run([call])[0]
+        dedupe_key = self._dedupe_key(stream, idempotency_key or event.event_id)
+        ttl_s = self.dedupe_ttl_s if idempotency_key else self.retry_ttl_s
+        if not self._lane.direct:
+            return self._run([((stream, dedupe_key), (ttl_s, maxlen, FIELD, raw))])[0]
+        # the hot path: one packed EVALSHA on the kept connection, no per-call lists or closures
+        lane = self._lane
+        script = self._script
+        packed = pack_command(("EVALSHA", script.sha, 2, stream, dedupe_key, ttl_s, maxlen,  # type: ignore[arg-type]
+                               FIELD, raw))  # (hiredis' stub reads the argument as a 1-tuple)
+
+        def send(c: redis.Redis) -> Any:
+            reply = lane.execute(packed)[0]
+            if isinstance(reply, NoScriptError):  # a restarted or flushed server: empty cache
+                script.sha = c.script_load(script.script)
+                reply = lane.execute(pack_command(("EVALSHA", script.sha, 2, stream, dedupe_key,  # type: ignore[arg-type]
+                                                   ttl_s, maxlen, FIELD, raw)))[0]
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+            return reply
+        reply = self.guard.call(send)
+        return reply.decode() if isinstance(reply, bytes) else str(reply)
 
     def publish_many(self, stream: str, events: Iterable[Event], *,
                      idempotency_keys: Sequence[str | None] | None = None, maxlen: int = 0) -> list[str]:

@@ -35,6 +35,7 @@ from rollout_bus.events.errors import DecodeError, InvalidRequest
 SCHEMA_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
 FIELD = b"e"
+_FIELD_STR = FIELD.decode()
 MAX_EVENT_BYTES = 1 << 20
 
 E = TypeVar("E", bound="Event")
@@ -112,9 +113,11 @@ class Event:
         if names is None:
             names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(self))
         out: dict[str, Any] = {"type": cls.__name__, "schema_version": self.schema_version}
+        values = self.__dict__  # a plain dataclass: every field is in it
         for name in names:
-            value = getattr(self, name)
-            out[name] = {"role": value.role, "instance": value.instance} if name == "producer" else value
+            out[name] = values[name]
+        producer = self.producer
+        out["producer"] = {"role": producer.role, "instance": producer.instance}
         return out
 
 
@@ -402,7 +405,9 @@ def decode_as(cls: type[E], fields: Any) -> E:
 def _decode(fields: Any) -> Event:
     if not isinstance(fields, dict):
         raise DecodeError(f"entry fields must be a map, got {type(fields).__name__}", fields)
-    raw = fields.get(FIELD, fields.get(FIELD.decode()))
+    raw = fields.get(FIELD)
+    if raw is None:
+        raw = fields.get(_FIELD_STR)
     if raw is None:
         raise DecodeError(f"entry has no {FIELD.decode()!r} field", fields)
     if not isinstance(raw, bytes | bytearray | memoryview):
@@ -429,13 +434,25 @@ def _decode(fields: Any) -> Event:
         data["seq"] = 0
     elif "seq" not in data:
         raise DecodeError(f"{type_name}: missing field 'seq'", fields)
+    fast = _FAST_DECODERS.get(cls)
+    if fast is None:
+        fast = _FAST_DECODERS[cls] = _compile_decoder(cls)
+    event = fast(data, fields)
+    return event if event is not None else _decode_fields(cls, data, fields, str(type_name))
+
+
+def _decode_fields(cls: type[Event], data: dict[str, Any], fields: Any, type_name: str) -> Event:
+    """The checked fields of ``data`` as a ``cls`` instance; ``DecodeError`` naming the first bad field."""
     kwargs: dict[str, Any] = {}
-    for name, hint, check, required in _field_specs(cls):
+    for name, hint, check, required, exact in _fast_specs(cls):
         if name not in data:
             if required:
                 raise DecodeError(f"{type_name}: missing field {name!r}", fields)
             continue
         value = data[name]
+        if exact is not None and type(value) in exact and name not in _SPECIAL_FIELDS:
+            kwargs[name] = value  # a plain value of an exactly expected type: nothing more to check
+            continue
         if name == "producer":
             value = _producer(value, str(type_name), fields)
         elif not check(value):
@@ -446,7 +463,62 @@ def _decode(fields: Any) -> Event:
         elif name == "seq" and value < 0:
             raise DecodeError(f"{type_name}: field 'seq' is {value}, must be >= 0", fields)
         kwargs[name] = value
-    return cls(**kwargs)
+    return _build(cls, kwargs)
+
+
+_FAST_DECODERS: dict[type[Event], Callable[[dict[str, Any], Any], Event | None]] = {}
+
+
+def _compile_decoder(cls: type[Event]) -> Callable[[dict[str, Any], Any], Event | None]:
+    """``_decode_fields`` for ``cls`` as straight-line code, built once per class: the same checks,
+    field by field, without the loop and its per-field branching. It returns None on the first
+    field that fails a check; ``_decode_fields`` then runs and raises the error that names it."""
+    env: dict[str, Any] = {"_producer": _producer, "_build": _build, "_SAFE": SAFE_ID.fullmatch, "cls": cls,
+                           "_MISSING": _UNSET, "_type_name": cls.__name__}
+    lines = ["def decode_fields(data, fields):", "    kw = {}", "    get = data.get"]
+    for i, (name, _hint, check, required, exact) in enumerate(_fast_specs(cls)):
+        env[f"C{i}"], env[f"E{i}"] = check, exact or ()
+        lines += [f"    v = get({name!r}, _MISSING)", "    if v is _MISSING:",
+                  "        return None" if required else "        pass", "    else:"]
+        if name == "producer":
+            lines.append("        v = _producer(v, _type_name, fields)")
+        elif name in ID_FIELDS:
+            lines.append(f"        if not C{i}(v) or (v and not _SAFE(v)): return None")
+        elif name == "seq":
+            lines.append(f"        if not C{i}(v) or v < 0: return None")
+        else:
+            lines.append(f"        if type(v) not in E{i} and not C{i}(v): return None")
+        lines.append(f"        kw[{name!r}] = v")
+    lines.append("    return _build(cls, kw)")
+    exec("\n".join(lines), env)  # noqa: S102  # source built above from the class's own field names
+    fn: Callable[[dict[str, Any], Any], Event | None] = env["decode_fields"]
+    return fn
+
+
+_DEFAULTS: dict[type[Event], Any] = {}
+_UNSET = object()
+
+
+def _build(cls: type[E], kwargs: dict[str, Any]) -> E:
+    """``cls(**kwargs)`` for checked values, without the frozen dataclass ``__init__`` (one
+    ``object.__setattr__`` per field): the instance's dict is filled directly, defaults and
+    default factories for absent fields as ``__init__`` would. A class with its own
+    ``__post_init__`` goes through ``__init__``."""
+    defaults = _DEFAULTS.get(cls, _UNSET)
+    if defaults is _UNSET:
+        defaults = _DEFAULTS[cls] = None if cls.__post_init__ is not Event.__post_init__ else tuple(
+            (f.name, f.default, f.default_factory) for f in dataclasses.fields(cls)
+            if not (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING))
+    if defaults is None:
+        return cls(**kwargs)
+    for name, default, factory in defaults:
+        if name not in kwargs:
+            kwargs[name] = factory() if default is dataclasses.MISSING else default
+    if kwargs.get("seq", -1) < 0:
+        return cls(**kwargs)
+    obj = object.__new__(cls)
+    obj.__dict__.update(kwargs)
+    return obj
 
 
 _Spec = tuple[str, Any, Callable[[Any], bool], bool]
@@ -465,6 +537,22 @@ def _field_specs(cls: type[Event]) -> tuple[_Spec, ...]:
             (f.name, hints[f.name], _checker(hints[f.name]),
              f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
             for f in dataclasses.fields(cls))
+    return specs
+
+
+_SPECIAL_FIELDS = ID_FIELDS | {"producer", "seq"}
+"""Fields checked beyond their type (safe names, the producer map, a non-negative ``seq``)."""
+_EXACT: dict[Any, tuple[type, ...]] = {str: (str,), bytes: (bytes,), int: (int,), float: (int, float), bool: (bool,)}
+_FastSpec = tuple[str, Any, Callable[[Any], bool], bool, tuple[type, ...] | None]
+_FAST: dict[type[Event], tuple[_FastSpec, ...]] = {}
+
+
+def _fast_specs(cls: type[Event]) -> tuple[_FastSpec, ...]:
+    """``_field_specs`` plus, for a field of a plain scalar type, the exact types that pass its check
+    without calling it (``type(v) in`` them; msgpack makes exact types, and ``bool`` is not in int's)."""
+    specs = _FAST.get(cls)
+    if specs is None:
+        specs = _FAST[cls] = tuple((*spec, _EXACT.get(spec[1])) for spec in _field_specs(cls))
     return specs
 
 
@@ -495,8 +583,18 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
     return lambda v: False
 
 
+_PRODUCERS: dict[tuple[str, str], Producer] = {}
+"""Producers decoded so far (a stream has few): one immutable ``Producer`` each, not one per event."""
+
+
 def _producer(value: Any, type_name: str, fields: Any) -> Producer:
-    if (not isinstance(value, dict) or not isinstance(value.get("role"), str)
-            or not isinstance(value.get("instance"), str)):
+    if (not isinstance(value, dict) or not isinstance(role := value.get("role"), str)
+            or not isinstance(instance := value.get("instance"), str)):
         raise DecodeError(f"{type_name}: producer must be {{role, instance}} strings", fields)
-    return Producer(value["role"], value["instance"])
+    key = (role, instance)
+    producer = _PRODUCERS.get(key)
+    if producer is None:
+        if len(_PRODUCERS) >= 4096:  # bounded whatever the entries say
+            _PRODUCERS.clear()
+        producer = _PRODUCERS[key] = Producer(role, instance)
+    return producer

@@ -219,3 +219,23 @@ def test_a_deferred_checksum_is_filled_into_the_header_when_the_batch_is_finishe
     out = bytearray(eager.nbytes)
     encode(fields, {"k": 1}, defer_checksum=True).write_into(memoryview(out))
     assert decode(out).checksum == eager.checksum
+
+
+def test_write_into_hashes_each_piece_as_copied_to_the_same_checksum() -> None:
+    # fields over several 2 MiB pieces, with odd sizes (padding between them) and an empty one
+    g = torch.Generator().manual_seed(7)
+    tensors = {"a": torch.randint(0, 1 << 30, ((5 << 20) // 4 + 3,), dtype=torch.int32, generator=g),
+               "empty": torch.zeros(0, dtype=torch.int64),
+               "b": torch.randn(700_001, generator=g).to(torch.bfloat16)}
+    reference = encode(tensors, {"k": 1}).tobytes()  # hashed by the background hasher
+    fresh = encode(tensors, {"k": 1}, defer_checksum=True)
+    out = bytearray(fresh.nbytes + 16)
+    fresh.write_into(out, 16)  # hashed piece by piece from ``out``
+    assert bytes(out[16:]) == reference
+    batch = decode(memoryview(out)[16:])  # verifies
+    assert torch.equal(batch.tensors["a"], tensors["a"]) and torch.equal(batch.tensors["b"], tensors["b"])
+    started = encode(tensors, {"k": 1}, defer_checksum=True)
+    started.start_checksum()  # the background hash has begun: write_into finishes that one instead
+    again = bytearray(started.nbytes)
+    started.write_into(again)
+    assert bytes(again) == reference

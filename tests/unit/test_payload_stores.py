@@ -134,6 +134,25 @@ def test_shm_store_recycles_a_released_segment_for_the_next_batch(keys: Keys, tm
     assert torch.equal(decode(store.get(r2)).tensors["a"], fields(2)["a"])
 
 
+def test_a_batch_verified_with_hash_helpers_and_released_at_once_recycles_its_segment(
+        keys: Keys, tmp_path: Path) -> None:
+    # 32 MiB: verifying it starts hash helper threads, whose views of the mapping must be gone by then
+    store = ShmStore(keys, tmp_path)
+    big = {"a": torch.arange(8 << 20, dtype=torch.int32)}
+    first = store.put("pol:b0", encode(big), ttl_s=60)
+    inode = os.stat(store.path("pol:b0")).st_ino
+    reference = first
+    for i in range(1, 7):
+        batch = decode(store.get(reference))  # verify=True
+        assert int(batch.tensors["a"][-1]) == (8 << 20) - 1
+        del batch
+        store.delete(reference)
+        assert len(os.listdir(store.free_dir)) == 1, f"round {i}: the segment was unlinked, not recycled"
+        reference = store.put(f"pol:b{i}", encode(big), ttl_s=60)
+        assert os.stat(store.path(f"pol:b{i}")).st_ino == inode
+    store.clear_pool()
+
+
 @pytest.mark.parametrize("reads", ["private", "shared"])
 def test_shm_store_never_recycles_a_segment_a_reader_still_maps(keys: Keys, tmp_path: Path, reads: str) -> None:
     store = ShmStore(keys, tmp_path, reads=reads)  # type: ignore[arg-type]

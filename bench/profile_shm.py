@@ -1,0 +1,74 @@
+"""cProfile of the shm store's hot path: ``BatchChannel.publish`` then ``fetch`` + touch of a 64 MiB batch.
+
+One process plays both sides (the bench_handoff shape without the process hop), so the profile
+shows where the time of a hand-off goes: encode and checksum, the copy into the segment, the
+mapping, the checksum verify, the touch.
+
+    python bench/profile_shm.py [--reps 20] [--reads private|shared] [--top 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_handoff import make_tensors, touch_tensors  # noqa: E402
+
+from rollout_bus.events.batches import BatchChannel  # noqa: E402
+from rollout_bus.events.connection import connect  # noqa: E402
+from rollout_bus.events.embedded import RedisServer  # noqa: E402
+from rollout_bus.events.names import Keys  # noqa: E402
+from rollout_bus.events.payload.shm import ShmStore  # noqa: E402
+from rollout_bus.events.publish import Publisher  # noqa: E402
+from rollout_bus.events.schema import BatchReady, Producer, decode_as  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reads", default="private", choices=["private", "shared"])
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    tensors = make_tensors(64)
+    root = tempfile.mkdtemp(prefix="profile-shm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    with RedisServer() as server:
+        client = connect(server.url)
+        keys = Keys(f"prof{uuid.uuid4().hex[:6]}")
+        store = ShmStore(keys, root, reads=args.reads)  # type: ignore[arg-type]
+        channel = BatchChannel(client, keys, store, Publisher(client, keys, Producer("bench", "p0")))
+        stream = keys.batch_stream("bench")
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        for i in range(args.reps + 2):
+            if i == 2:
+                prof.enable()
+                t0 = time.perf_counter()
+            channel.publish("bench", f"b{i}", tensors, {"rep": i})
+            event = decode_as(BatchReady, client.xrevrange(stream, count=1)[0][1])
+            batch = channel.fetch(event)
+            touch_tensors(batch.tensors.values())
+            del batch
+            store.delete(event.payload)
+        prof.disable()
+        per = (time.perf_counter() - t0) / args.reps * 1e3
+        print(f"shm store reads={args.reads}: {per:.1f} ms per publish + fetch + touch under the profiler "
+              f"(64 MiB, {args.reps} reps); load average {os.getloadavg()[0]:.2f}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        store.clear_pool()
+        channel.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
