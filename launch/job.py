@@ -74,6 +74,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         if config.model is not None:
             init = resolve_model(config.model)
             task = task_options(config, init)
+            check_context(init, task, config.max_new_tokens)
         else:
             warm = WarmStartConfig(steps=config.warm_steps, keep=config.warm_keep, digits=config.digits,
                                    seed=config.seed)
@@ -206,7 +207,7 @@ def resolve_model(spec: str) -> Path:
         raise RunFailed(f"--model {spec!r} is neither a known model ({', '.join(sorted(MODELS))}) nor a Hugging Face "
                         "model directory (a config.json with a model_type)")
     try:
-        hf_tokenizer.load(str(path))
+        hf_tokenizer.ChatTokenizer(path)  # not the cached one: the directory is checked as it is now
     except hf_tokenizer.TokenizerError as exc:
         raise RunFailed(f"--model {spec}: {exc}") from None
     return path
@@ -217,6 +218,24 @@ def task_options(config: RunConfig, model_dir: Path) -> dict[str, Any]:
     from rollout_bus.launch.config import MODEL_TASK
 
     return {**MODEL_TASK, **config.task, "tokenizer": str(model_dir), "seed": config.seed}
+
+
+def check_context(model_dir: Path, task: dict[str, Any], max_new_tokens: int, probe: int = 32) -> int:
+    """The longest prompt of the task's first ``probe`` train and eval problems, in tokens; ``RunFailed``
+    when it and ``max_new_tokens`` do not fit in the model's context (``max_position_embeddings``)."""
+    from rollout_bus.tasks.math_words import MathWordsSource
+
+    context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    try:
+        sources = [MathWordsSource(**{**task, "split": split}) for split in ("train", "eval")]
+    except (TypeError, ValueError) as exc:
+        raise RunFailed(f"--task: {exc}") from None
+    longest = max(len(s.item(i)["prompt_ids"]) for s in sources for i in range(probe))
+    if isinstance(context, int) and longest + max_new_tokens > context:
+        raise RunFailed(f"the task's prompts take up to {longest} tokens and --max-new-tokens is {max_new_tokens}: "
+                        f"{longest + max_new_tokens} tokens do not fit in the context of {model_dir.name} ({context} "
+                        "tokens, max_position_embeddings); lower --max-new-tokens or shorten the prompts (--task)")
+    return longest
 
 
 def _pool_args(config: RunConfig) -> list[str]:
