@@ -30,8 +30,9 @@ from rollout_bus.launch.config import MODEL_TASK, RunConfig
 from rollout_bus.launch.job import run_job
 from rollout_bus.launch.procs import ProcessSet, RestartPolicy
 from rollout_bus.lm import hf
+from rollout_bus.replay.offline import OfflineConfig, run_offline, write_outputs
 from rollout_bus.trainer.config import LossSettings, OptimConfig
-from rollout_bus.trainer.hf_config import HFSettings
+from rollout_bus.trainer.hf_config import HFSettings, LoraSettings
 from rollout_bus.trainer.hf_learner import HFLearner
 from tests.engine_proc import EngineProcess, wait_until
 
@@ -138,7 +139,8 @@ def test_the_main_job_trains_a_hf_model_with_held_out_evals(
     out = tmp_path / "out"
     config = RunConfig(model=str(llama), steps=3, n_groups=2, n_samples=4, max_new_tokens=8, lr=5e-4,
                        temperature=TEMPERATURE, engine_max_batch=32, eval_groups=4, eval_samples=2, out=str(out),
-                       redis_url=redis_server.url, namespace=keys.namespace, progress=False, timeout_s=240)
+                       redis_url=redis_server.url, namespace=keys.namespace, progress=False, timeout_s=240,
+                       log_events=str(tmp_path / "run.rblog"))
     result = run_job(config)
     summary = json.loads((out / "summary.json").read_text())
     p0 = summary["policies"]["p0"]
@@ -149,3 +151,14 @@ def test_the_main_job_trains_a_hf_model_with_held_out_evals(
     assert "eval before" in result.text and "eval after" in result.text and "answers" in result.text
     assert (out / "reward.png").stat().st_size > 0
     assert (out / "weights" / "p0" / "v000003" / "adapter_config.json").is_file()
+
+    # the recorded log retrains the model offline, deterministically, as the live trainer was set up
+    offline = OfflineConfig(log=str(tmp_path / "run.rblog"), model_path=str(llama), policy="p0", optim=OptimConfig(lr=5e-4),
+                            temperature=TEMPERATURE, hf=HFSettings(device="cpu", lora=LoraSettings(r=8, alpha=16)))
+    first, model = run_offline(offline)
+    again, _ = run_offline(offline)
+    assert len(first.batch_ids) >= 3 and first.batch_ids == again.batch_ids
+    assert first.weights_sha256 == again.weights_sha256
+    assert first.steps[0].metrics["rollout_kl"] == pytest.approx(0.0, abs=1e-4)  # same weights, same temperature
+    written = write_outputs(first, model, tmp_path / "offline")
+    assert (written / "model" / "adapter_config.json").is_file()
