@@ -49,7 +49,7 @@ class RunConfig:
     micro_batch_size: int = 4
     task: dict[str, Any] = field(default_factory=dict)
     """``tasks.math_words.MathWordsSource`` options over ``MODEL_TASK`` (steps, numbers, answer form, credits)."""
-    eval_groups: int = 32
+    eval_groups: int = 24
     """Held-out (eval split) problems scored before and after training; 0: no eval."""
     eval_samples: int = 2
     # --- warm start ----------------------------------------------------------------------------
@@ -95,7 +95,7 @@ DEFAULT_LORA = "8,16"
 
 MODEL_DEFAULTS: dict[str, Any] = {
     "steps": 16, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 5e-4, "in_flight": 2,
-    "engine_max_batch": 32, "temperature": 0.6,
+    "engine_max_batch": 64, "temperature": 0.6,
 }
 """What a HF-model run changes from ``RunConfig``'s defaults (tuned for SmolLM2-135M with LoRA on 2 CPU cores)."""
 MODEL_FULL_LR = 1e-5

@@ -99,7 +99,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             "--base-policy", config.base_policy(), "--seed", str(config.seed), "--log-dir", str(out / "logs"),
             *_pool_args(config), "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
-            *_janitor_args(config), *config.controller_args, *_metrics_args(ports, "controller")],
+            *_janitor_args(config), *_health_args(config), *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
         for i in range(config.executors):
             procs.start(f"executor-{i}", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
@@ -244,6 +244,15 @@ def _pool_args(config: RunConfig) -> list[str]:
         return ["--enable-lora", "--max-lora-rank", spec.split(",")[0]]
     # every further trainer trains full weights: its policy gets an engine pool of its own
     return [arg for p in config.policies()[1:] for arg in ("--pool", f"{p}={config.engines}")]
+
+
+MODEL_HEALTH_TIMEOUT_S = 120.0
+"""A real model's engine on a busy CPU may take tens of seconds for one step (a prefill of a whole rollout), and
+a health check's token waits for it: the controller gives it this long before it counts a failure."""
+
+
+def _health_args(config: RunConfig) -> list[str]:
+    return [] if config.model is None else ["--health-timeout-s", str(MODEL_HEALTH_TIMEOUT_S)]
 
 
 def _task_args(config: RunConfig, init: Path, task: dict[str, Any]) -> list[str]:
