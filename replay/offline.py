@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from rollout_bus.events.train_data import TrainData
 from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.train_data import TrainData
 from rollout_bus.lm.hf import is_hf_dir, save_version
 from rollout_bus.lm.model import TinyLM, load_model, save_weights
 from rollout_bus.replay.feed import feed_batches, trained_batch_ids

@@ -24,8 +24,8 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,15 +111,16 @@ class Trainer:
                                        self.producer, keep_versions=cfg.publish.keep_versions)
         self.step_log = StepLogger(cfg)
         self.client.start()
-        self.weights.adopt(self.state.version)
+        state = self._st()
+        self.weights.adopt(state.version)
         self._ensure_served()
-        if self.state.step > 0:  # a crash may have come between the checkpoint and the announcement
+        if state.step > 0:  # a crash may have come between the checkpoint and the announcement
             self._announce_step()
             self._log_recovered_step()
-        m.VERSION.labels(*self._labels).set(self.state.version)
+        m.VERSION.labels(*self._labels).set(state.version)
         log.info("trainer %s of %s at step %d, version %d (%s mode, %d in flight)", cfg.trainer_id, cfg.policy,
-                 self.state.step, self.state.version, cfg.schedule.mode, len(self.state.in_flight))
-        return self.state
+                 state.step, state.version, cfg.schedule.mode, len(state.in_flight))
+        return state
 
     def _start_tiny(self, checkpoint: Checkpoint | None) -> None:
         cfg = self.config
