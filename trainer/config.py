@@ -146,7 +146,9 @@ class TrainerConfig:
     steps: int = 40
     seed: int = 0
     model_path: str = ""
-    """Initial weights (a directory with config.json + model.safetensors); ignored when resuming."""
+    """Initial weights: the tiny LM's (config.json + model.safetensors) or a Hugging Face model directory
+    (with its tokenizer). A tiny LM resumes from its checkpoint alone; a HF model loads this directory and
+    the checkpoint's trained parameters over it."""
     initial_version: int = 0
     checkpoint_dir: str = ""
     """Where the trainer checkpoints after every step; empty: no checkpoints (no resume)."""

@@ -1,4 +1,5 @@
-"""The reference trainer: one policy, one consumer group, GRPO on ``lm.TinyLM``.
+"""The reference trainer: one policy, one consumer group, GRPO on ``lm.TinyLM`` or on a Hugging Face
+causal LM (``model_path`` a HF directory: ``trainer.hf_learner``, all weights or a LoRA adapter).
 
 Modes (DESIGN.md section 2):
 
