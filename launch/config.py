@@ -94,7 +94,7 @@ class RunConfig:
 DEFAULT_LORA = "8,16"
 
 MODEL_DEFAULTS: dict[str, Any] = {
-    "steps": 16, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 5e-4, "in_flight": 2,
+    "steps": 12, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 1e-3, "in_flight": 2,
     "engine_max_batch": 64, "temperature": 0.6,
 }
 """What a HF-model run changes from ``RunConfig``'s defaults (tuned for SmolLM2-135M with LoRA on 2 CPU cores)."""
