@@ -194,7 +194,7 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
             f"policy {p.policy}: {p.steps} steps",
             f"  reward      {p.reward_before():.3f} -> {p.reward_after():.3f} "
             f"(mean of the first 2 and the last 5 steps)",
-            f"  speed       {p.steps_per_s():.2f} steps/s, {p.samples_per_s():.0f} samples/s (steady state)",
+            f"  speed       {p.steps_per_s():.2f} steps/s, {_figure(p.samples_per_s())} samples/s (steady state)",
             f"  staleness   samples by versions behind: {hist}",
             f"  batches     {p.batches_trained} trained, {p.batches_unused} not trained; "
             f"{p.stale_groups:.0f} stale groups left out",
@@ -212,6 +212,10 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
         lines.append(f"faults: restarts {restarted}; {faults.requeued_jobs} job(s) requeued, "
                      f"{faults.reclaimed_batches} batch(es) redelivered, {faults.dead_letters} dead letter(s)")
     return "\n".join(lines)
+
+
+def _figure(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2f}"
 
 
 def _mean(values: list[float]) -> float:
@@ -247,11 +251,13 @@ def plot_rewards(policies: Iterable[PolicySummary], path: str | Path, *, title: 
                     label=f"{p.policy} correct")
             ax.plot(range(1, len(p.formatted) + 1), p.formatted, linestyle=":", color=line.get_color(),
                     label=f"{p.policy} in form")
-        for phase, x in (("before", 0), ("after", len(p.rewards))):
-            if phase in p.evals:
-                ax.scatter([x], [p.evals[phase].get("reward_mean", float("nan"))], marker="s", color=line.get_color())
+        evals = [(x, p.evals[phase].get("reward_mean", float("nan")))
+                 for phase, x in (("before", 0), ("after", len(p.rewards))) if phase in p.evals]
+        if evals:
+            ax.scatter([x for x, _ in evals], [y for _, y in evals], marker="s", color=line.get_color(),
+                       label=f"{p.policy} held-out eval reward")
     ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward of the trained batch")
+    ax.set_ylabel("trained batch: mean reward, share of answers")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend()
