@@ -19,6 +19,7 @@ import pytest
 import redis
 import torch
 
+from rollout_bus.events.connection import connect
 from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import page
@@ -162,3 +163,23 @@ def test_the_main_job_trains_a_hf_model_with_held_out_evals(
     assert first.steps[0].metrics["rollout_kl"] == pytest.approx(0.0, abs=1e-4)  # same weights, same temperature
     written = write_outputs(first, model, tmp_path / "offline")
     assert (written / "model" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_two_trainers_train_two_lora_policies_on_one_engine_pool(
+        tmp_path: Path, llama: Path, redis_server: RedisServer, keys: Keys) -> None:
+    out = tmp_path / "out"
+    config = RunConfig(model=str(llama), trainers=2, steps=2, n_groups=2, n_samples=2, max_new_tokens=6, lr=5e-4,
+                       temperature=TEMPERATURE, engine_max_batch=32, eval_groups=2, eval_samples=1, out=str(out),
+                       redis_url=redis_server.url, namespace=keys.namespace, progress=False, timeout_s=240)
+    result = run_job(config)
+    assert set(result.summaries) == {"p0", "p1"} and all(s["steps"] == 2 for s in result.summaries.values())
+    for policy in ("p0", "p1"):
+        assert (out / "weights" / policy / "v000002" / "adapter_config.json").is_file()
+        assert result.summaries[policy]["eval"]["after"]["min_weight_version"] == 2
+    client = connect(redis_server.url)
+    try:
+        launched = {e.engine_id for e in _events(client, keys.engine_stream) if hasattr(e, "engine_id")}
+    finally:
+        client.close()
+    assert launched == {"engine-0"}  # one pool of one engine serves both adapters
