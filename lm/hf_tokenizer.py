@@ -53,7 +53,7 @@ class ChatTokenizer:
         self.system_prompt = system_prompt
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.pad_token_id: int | None = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_token_id
-        self.stop_token_ids: tuple[int, ...] = tuple(sorted(_stop_ids(directory, self.eos_token_id)))
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted(stop_ids(directory, self.eos_token_id)))
         """Ids that end a response: the tokenizer's EOS and the generation config's ``eos_token_id``(s)."""
 
     def __len__(self) -> int:
@@ -104,7 +104,7 @@ class ChatTokenizer:
                 "pad_token_id": self.pad_token_id, "stop_token_ids": list(self.stop_token_ids)}
 
 
-def _stop_ids(directory: Path, eos: int | None) -> set[int]:
+def stop_ids(directory: Path, eos: int | None) -> set[int]:
     ids = {eos} if eos is not None else set()
     config = directory / "generation_config.json"
     if config.is_file():

@@ -221,14 +221,16 @@ def token_logprobs(
 
 
 def token_logprobs_and_entropy(
-    model: TinyLM, input_ids: Tensor, attention_mask: Tensor | None = None
+    model: TinyLM, input_ids: Tensor, attention_mask: Tensor | None = None, temperature: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """``token_logprobs`` (temperature 1) and the entropy of the next-token distribution it picks from.
+    """``token_logprobs`` (at ``temperature``) and the entropy of the next-token distribution it picks from.
 
     Both are ``[batch, seq - 1]`` from one forward pass: column ``t`` is about token ``t + 1``,
     and entries whose target is padding are 0. Gradients flow through both.
     """
-    logits = model(input_ids, attention_mask)[:, :-1]
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = model(input_ids, attention_mask)[:, :-1] / temperature
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)

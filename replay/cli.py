@@ -113,7 +113,8 @@ def parser() -> argparse.ArgumentParser:
     o = sub.add_parser("offline", help="retrain from an exported log's batches (no engines, no Redis)")
     o.add_argument("--log", required=True, help="a log file written by rollout-bus replay export (with payloads)")
     o.add_argument("--policy", required=True, help="train on this policy's batches")
-    o.add_argument("--model-path", required=True, help="initial weights (config.json + model.safetensors)")
+    o.add_argument("--model-path", required=True,
+                   help="initial weights: the tiny LM's (config.json + model.safetensors) or a HF model directory")
     o.add_argument("--steps", type=int, default=0, help="stop after N steps (0: every batch of the log)")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--out", default=None, help="write batch_ids.txt, result.json and model/ here")
@@ -128,6 +129,11 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--tis-cap", type=float, default=2.0)
     o.add_argument("--ppo-clip", type=float, default=0.2, help="<= 0 turns the PPO clip off")
     o.add_argument("--torch-threads", type=int, default=1, help="more than 1 may cost bit-exact reproducibility")
+    o.add_argument("--temperature", type=float, default=1.0,
+                   help="the rollouts' sampling temperature (log-probs are recomputed at it)")
+    o.add_argument("--lora", default=None, metavar="R,ALPHA", help="a HF model: train a LoRA adapter (as the "
+                                                                   "live trainer's --lora)")
+    o.add_argument("--micro-batch-size", type=int, default=4, help="a HF model: sequences per forward/backward")
     o.add_argument("--allow-truncated", action="store_true", help="read a log without its end record")
     o.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -298,7 +304,9 @@ def cmd_hold(args: argparse.Namespace) -> int:
 
 def offline_config(ns: argparse.Namespace) -> Any:
     from rollout_bus.replay.offline import OfflineConfig
+    from rollout_bus.trainer.cli import parse_lora
     from rollout_bus.trainer.config import LossSettings, OptimConfig
+    from rollout_bus.trainer.hf_config import HFSettings
 
     return OfflineConfig(
         log=ns.log, model_path=ns.model_path, policy=ns.policy, steps=ns.steps, seed=ns.seed,
@@ -306,6 +314,9 @@ def offline_config(ns: argparse.Namespace) -> Any:
         torch_threads=ns.torch_threads, allow_truncated=ns.allow_truncated,
         optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),
         loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None),
+        temperature=ns.temperature,
+        hf=HFSettings(micro_batch_size=ns.micro_batch_size, device="cpu",
+                      lora=parse_lora(ns.lora) if ns.lora else None),
     ).validate()
 
 
@@ -317,11 +328,17 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
 
+    from rollout_bus.lm.hf import is_hf_dir
     from rollout_bus.replay.offline import run_offline as train_offline
     from rollout_bus.replay.offline import write_outputs
 
     result, model = train_offline(config)
-    out = str(write_outputs(result, model, ns.out)) if ns.out else None
+    tokenizer = None
+    if ns.out and not ns.lora and is_hf_dir(config.model_path):  # a whole model directory: its tokenizer too
+        from rollout_bus.lm.hf import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model_path)
+    out = str(write_outputs(result, model, ns.out, tokenizer=tokenizer)) if ns.out else None
     print(json.dumps({"log": result.log, "policy": result.policy, "steps": len(result.batch_ids),
                       "batch_ids": result.batch_ids, "skipped": result.skipped, "version": result.version,
                       "weights_sha256": result.weights_sha256,

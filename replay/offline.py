@@ -1,6 +1,7 @@
 """Offline retraining: the reference learner over the batches of an exported log, deterministically.
 
-``run_offline(config)`` loads the initial weights, then trains one step per recorded batch
+``run_offline(config)`` loads the initial weights (the tiny LM's, or a Hugging Face model directory,
+trained whole or through a LoRA adapter by ``trainer.hf_learner``), then trains one step per recorded batch
 of ``config.policy`` in the log's stream order (``replay.feed.feed_batches``), with no
 engines and no Redis. The same log, initial weights, seed and settings give the same batch
 ids in the same order and bit-identical weights (``weights_sha256``), on one torch thread
@@ -19,16 +20,20 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.train_data import TrainData
+from rollout_bus.lm.hf import is_hf_dir, save_version
 from rollout_bus.lm.model import TinyLM, load_model, save_weights
 from rollout_bus.replay.feed import feed_batches, trained_batch_ids
 from rollout_bus.trainer.config import ConfigError, LossSettings, OptimConfig
+from rollout_bus.trainer.hf_config import HFSettings
+from rollout_bus.trainer.hf_learner import HFLearner, load_causal_lm
 from rollout_bus.trainer.learner import Learner
 from rollout_bus.trainer.staleness import split_stale
 
@@ -60,6 +65,10 @@ class OfflineConfig:
     allow_truncated: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossSettings = field(default_factory=LossSettings)
+    temperature: float = 1.0
+    """The rollouts' sampling temperature: log-probs are recomputed at it, as the live trainer does."""
+    hf: HFSettings = field(default_factory=lambda: HFSettings(device="cpu"))
+    """The learner of a Hugging Face model (``model_path`` a HF directory): micro-batches, LoRA."""
 
     def validate(self) -> OfflineConfig:
         problems: list[str] = []
@@ -77,6 +86,12 @@ class OfflineConfig:
             problems.append(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.optim.lr <= 0 or self.optim.epochs < 1 or self.optim.minibatches < 1:
             problems.append("optim: lr must be > 0, epochs and minibatches >= 1")
+        if not self.temperature > 0:
+            problems.append(f"temperature must be > 0, got {self.temperature}")
+        try:
+            self.hf.validate()
+        except InvalidRequest as exc:
+            problems.append(str(exc))
         if problems:
             raise ConfigError("invalid offline config:\n  - " + "\n  - ".join(problems))
         return self
@@ -124,8 +139,9 @@ def weights_sha256(model: torch.nn.Module) -> str:
 StepHook = Callable[[OfflineStep], None]
 
 
-def run_offline(config: OfflineConfig, *, on_step: StepHook | None = None) -> tuple[OfflineResult, TinyLM]:
-    """Train on the log's batches; returns the result and the trained model."""
+def run_offline(config: OfflineConfig, *, on_step: StepHook | None = None) -> tuple[OfflineResult, Any]:
+    """Train on the log's batches; returns the result and the trained model (a ``TinyLM``, a Hugging Face
+    model, or a ``PeftModel`` with ``hf.lora``)."""
     cfg = config.validate()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.torch_threads)
@@ -137,9 +153,17 @@ def run_offline(config: OfflineConfig, *, on_step: StepHook | None = None) -> tu
         torch.set_num_threads(threads)
 
 
-def _train(cfg: OfflineConfig, on_step: StepHook | None) -> tuple[OfflineResult, TinyLM]:
+def _learner(cfg: OfflineConfig) -> tuple[Any, Learner | HFLearner]:
+    if is_hf_dir(cfg.model_path):
+        settings = replace(cfg.hf, temperature=cfg.temperature)
+        hf_learner = HFLearner(load_causal_lm(cfg.model_path), cfg.optim, cfg.loss, settings)
+        return hf_learner.model, hf_learner
     model = load_model(cfg.model_path)
-    learner = Learner(model, cfg.optim, cfg.loss)
+    return model, Learner(model, cfg.optim, cfg.loss, temperature=cfg.temperature)
+
+
+def _train(cfg: OfflineConfig, on_step: StepHook | None) -> tuple[OfflineResult, Any]:
+    model, learner = _learner(cfg)
     only = set(trained_batch_ids(cfg.log, policy=cfg.policy, allow_truncated=cfg.allow_truncated)) \
         if cfg.trained_only else None
     version = cfg.initial_version
@@ -191,12 +215,16 @@ def _final_metrics(steps: list[OfflineStep]) -> dict[str, float]:
             "reward_first": rewards[0], "reward_last": rewards[-1], "reward_mean_all": sum(rewards) / len(rewards)}
 
 
-def write_outputs(result: OfflineResult, model: TinyLM, out: str | Path) -> Path:
-    """``batch_ids.txt``, ``result.json`` and ``model/`` under ``out``; returns the directory."""
+def write_outputs(result: OfflineResult, model: Any, out: str | Path, *, tokenizer: Any = None) -> Path:
+    """``batch_ids.txt``, ``result.json`` and ``model/`` under ``out`` (a HF model's ``save_pretrained``,
+    with ``tokenizer``; a LoRA adapter alone); returns the directory."""
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / BATCH_IDS_FILE).write_text("".join(f"{b}\n" for b in result.batch_ids))
-    save_weights(model, directory / MODEL_DIR)
+    if isinstance(model, TinyLM):
+        save_weights(model, directory / MODEL_DIR)
+    else:
+        save_version(directory / MODEL_DIR, model, tokenizer, replace=True)
     (directory / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
     return directory
 

@@ -91,10 +91,12 @@ class CheckpointStore:
     def exists(self) -> bool:
         return self.path.is_file()
 
-    def save(self, state: TrainerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    def save(self, state: TrainerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             model_state: dict[str, torch.Tensor] | None = None) -> Path:
+        """``model_state``: the tensors to keep instead of the whole ``state_dict`` (a LoRA adapter's)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         config = getattr(model, "config", None)
-        payload = {"state": state.to_dict(), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        payload = {"state": state.to_dict(), "model": model.state_dict() if model_state is None else model_state, "optimizer": optimizer.state_dict(),
                    "model_config": config.to_dict() if config is not None else {}}
         fd, tmp_name = tempfile.mkstemp(prefix=f".{CHECKPOINT_FILE}.", suffix=".tmp", dir=self.directory)
         try:

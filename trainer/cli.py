@@ -36,6 +36,7 @@ from rollout_bus.trainer.config import (  # light: dataclasses only
     TrainerConfig,
     parse_log_to,
 )
+from rollout_bus.trainer.hf_config import HFSettings, LoraSettings
 
 COMMANDS = ("train", "record")
 
@@ -86,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dp-size", type=int, default=1)
     t.add_argument("--dp-strategy", choices=DP_STRATEGIES, default="shared-group")
     t.add_argument("--torch-threads", type=int, default=1)
+    h = t.add_argument_group("Hugging Face models (--model-path a HF directory)")
+    h.add_argument("--lora", default=None, metavar="R,ALPHA",
+                   help="train a LoRA adapter of rank R and scale ALPHA (peft) on the frozen model and publish "
+                        "adapters (the controller serves them on the base pool; it needs --enable-lora); "
+                        "default: full fine-tune, publishing whole model directories")
+    h.add_argument("--lora-targets", default="all-linear",
+                   help="comma-separated module names, or all-linear (every linear layer but the head)")
+    h.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward")
+    h.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    h.add_argument("--gradient-checkpointing", action="store_true")
     t.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on this port (0: any free one; default: off)")
     lg = t.add_argument_group("metric logs (every step: reward, loss terms, entropy, TIS/clip fractions, "
@@ -118,6 +129,7 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
     data: Any = json.loads(ns.data)
     if not isinstance(data, dict):
         raise SystemExit("--data must be a JSON object")
+    lora = parse_lora(ns.lora, ns.lora_targets) if ns.lora else None
     return TrainerConfig(
         policy=ns.policy, trainer_id=ns.trainer_id, namespace=ns.namespace or Keys.from_env().namespace,
         redis_url=ns.redis_url, steps=ns.steps, seed=ns.seed, model_path=ns.model_path,
@@ -136,7 +148,22 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
                           entropy_coef=ns.entropy_coef),
         log=LogConfig(to=parse_log_to(ns.log_to), dir=ns.log_dir, run_name=ns.run_name,
                       wandb_project=ns.wandb_project),
+        hf=HFSettings(micro_batch_size=ns.micro_batch_size, temperature=ns.temperature, device=ns.device,
+                      gradient_checkpointing=ns.gradient_checkpointing, lora=lora),
     ).validate()
+
+
+def parse_lora(spec: str, targets: str = "all-linear") -> LoraSettings:
+    """``"8,16"`` -> rank 8, alpha 16; ``SystemExit`` saying the form otherwise."""
+    parts = spec.split(",")
+    try:
+        r, alpha = int(parts[0]), int(parts[1]) if len(parts) > 1 else 2 * int(parts[0])
+    except ValueError:
+        raise SystemExit(f"--lora must be R,ALPHA (two integers, e.g. 8,16), got {spec!r}") from None
+    if len(parts) > 2 or r < 1 or alpha < 1:
+        raise SystemExit(f"--lora must be R,ALPHA with R >= 1 and ALPHA >= 1, got {spec!r}")
+    names: list[str] | str = targets if targets == "all-linear" else [t for t in targets.split(",") if t]
+    return LoraSettings(r=r, alpha=alpha, target_modules=names)
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:

@@ -144,7 +144,7 @@ class RolloutClient:
             self.config.policy, rollout_id, r.n_groups, r.n_samples_per_group,
             timeout_s=timeout_s if timeout_s is not None else r.timeout_s,
             sampling=SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens,
-                                    stop_token_ids=(EOS_ID,)),
+                                    stop_token_ids=r.stop_token_ids or (EOS_ID,)),
             request_id=request_id, data=dict(r.data), std_normalise=r.std_normalise, returned=list(returned or []))
         self.submitter.submit(request)
         return request

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name
+from rollout_bus.trainer.hf_config import HFSettings
 
 Mode = Literal["sync", "one-step", "async"]
 StalePolicy = Literal["drop", "requeue"]
@@ -43,6 +44,8 @@ class RolloutConfig:
     timeout_s: float = 120.0
     """A request without a batch after this long is asked again under a new request id."""
     data: dict[str, Any] = field(default_factory=dict)
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end a response; empty: the tiny LM's EOS (a HF model's trainer sets its tokenizer's)."""
     """Options for the executors' data source."""
 
 
@@ -143,7 +146,9 @@ class TrainerConfig:
     steps: int = 40
     seed: int = 0
     model_path: str = ""
-    """Initial weights (a directory with config.json + model.safetensors); ignored when resuming."""
+    """Initial weights: the tiny LM's (config.json + model.safetensors) or a Hugging Face model directory
+    (with its tokenizer). A tiny LM resumes from its checkpoint alone; a HF model loads this directory and
+    the checkpoint's trained parameters over it."""
     initial_version: int = 0
     checkpoint_dir: str = ""
     """Where the trainer checkpoints after every step; empty: no checkpoints (no resume)."""
@@ -159,6 +164,9 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossSettings = field(default_factory=LossSettings)
     log: LogConfig = field(default_factory=LogConfig)
+    hf: HFSettings = field(default_factory=HFSettings)
+    """The learner of a Hugging Face model (``model_path`` a HF directory): micro-batches, device, LoRA.
+    Its temperature is always the rollouts' (``rollout.temperature``)."""
 
     @property
     def run_name(self) -> str:
@@ -217,6 +225,10 @@ class TrainerConfig:
         if self.get_timeout_s <= 0 or r.timeout_s <= 0 or self.publish.serving_timeout_s <= 0:
             problems.append("timeouts must be > 0")
         problems += log_problems(self.log)
+        try:
+            self.hf.validate()
+        except InvalidRequest as exc:
+            problems.append(str(exc))
         if problems:
             raise ConfigError("invalid trainer config:\n  - " + "\n  - ".join(problems))
         return self

@@ -60,8 +60,13 @@ def to_padded(data: TrainData) -> Padded:
 class Learner:
     """A model, its optimiser and the GRPO step."""
 
-    def __init__(self, model: TinyLM, optim: OptimConfig, loss: LossSettings) -> None:
+    def __init__(self, model: TinyLM, optim: OptimConfig, loss: LossSettings, temperature: float = 1.0) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 to recompute sampling log-probs, got {temperature!r}")
         self.model = model
+        self.temperature = float(temperature)
+        """The rollouts' sampling temperature: log-probs are ``log_softmax(logits / temperature)``, as the
+        engine reports them."""
         self.optim_config = optim
         self.loss_config = LossConfig(tis_cap=loss.tis_cap, ppo_clip=loss.ppo_clip, entropy_coef=loss.entropy_coef)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
@@ -82,7 +87,7 @@ class Learner:
         old_logp: Tensor | None = None
         if not single:
             with torch.no_grad():
-                old_logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+                old_logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
         sums: dict[str, float] = {}
         updates = 0
         grad_norm = 0.0
@@ -92,7 +97,7 @@ class Learner:
             for start in range(0, n, size):
                 idx = order[start:start + size]
                 logp, entropy = token_logprobs_and_entropy(self.model, batch.input_ids[idx],
-                                                           batch.attention_mask[idx])
+                                                           batch.attention_mask[idx], self.temperature)
                 old = logp.detach() if old_logp is None else old_logp[idx]
                 out = grpo_loss(logp, old, batch.rollout_logp[idx], batch.advantages[idx],
                                 batch.loss_mask[idx], self.loss_config, entropy=entropy)

@@ -93,6 +93,9 @@ class StepRecord:
                 "staleness_hist": {str(k): n for k, n in sorted(self.staleness.items())}}
 
 
+OPTIONAL_SCALARS: dict[str, str] = {"answers/correct_frac": "correct_frac", "answers/formatted_frac": "formatted_frac"}
+"""Logged when the batch's reward judges answers (the executors' counts, e.g. ``tasks.math_reward``)."""
+
 NEEDED_METRICS: tuple[str, ...] = (*_FROM_METRICS.values(), *(k for ks in _MS_FROM_METRICS.values() for k in ks))
 """The keys of the trainer's metrics dict a ``StepRecord`` is made of."""
 
@@ -109,8 +112,9 @@ def step_record(step: int, weight_version: int, metrics: dict[str, float], inter
     scalars["throughput/samples_per_s"] = scalars["batch/samples"] * per_s
     scalars["throughput/tokens_per_s"] = scalars["batch/tokens"] * per_s
     staleness = {int(k[len(STALENESS_PREFIX):]): int(v) for k, v in metrics.items() if k.startswith(STALENESS_PREFIX)}
-    return StepRecord(step, weight_version, time.time() if time_s is None else time_s,
-                      {name: scalars[name] for name in STEP_SCALARS}, staleness)
+    record = {name: scalars[name] for name in STEP_SCALARS}
+    record.update({name: float(metrics[key]) for name, key in OPTIONAL_SCALARS.items() if key in metrics})
+    return StepRecord(step, weight_version, time.time() if time_s is None else time_s, record, staleness)
 
 
 def _finite(value: float) -> float | None:

@@ -1,4 +1,5 @@
-"""The reference trainer: one policy, one consumer group, GRPO on ``lm.TinyLM``.
+"""The reference trainer: one policy, one consumer group, GRPO on ``lm.TinyLM`` or on a Hugging Face
+causal LM (``model_path`` a HF directory: ``trainer.hf_learner``, all weights or a LoRA adapter).
 
 Modes (DESIGN.md section 2):
 
@@ -24,7 +25,9 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,9 +36,10 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import STALENESS_PREFIX, Producer, TrainStepDone
 from rollout_bus.events.train_data import TrainData
+from rollout_bus.lm.hf import is_hf_dir
 from rollout_bus.lm.model import ModelConfig, TinyLM, load_config, load_model
 from rollout_bus.trainer import metrics as m
-from rollout_bus.trainer.checkpoint import CheckpointStore, TrainerState
+from rollout_bus.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
 from rollout_bus.trainer.client import ClientConfig, ReceivedBatch, RolloutClient
 from rollout_bus.trainer.config import ConfigError, TrainerConfig
 from rollout_bus.trainer.learner import Learner
@@ -43,6 +47,9 @@ from rollout_bus.trainer.metric_loggers import NEEDED_METRICS, StepLogger
 from rollout_bus.trainer.requeue import stale_items
 from rollout_bus.trainer.staleness import split_stale
 from rollout_bus.trainer.weights import WeightPublisher
+
+if TYPE_CHECKING:
+    from rollout_bus.trainer.hf_learner import HFLearner as HFLearnerType
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +79,10 @@ class Trainer:
         self.after_checkpoint: list[CheckpointHook] = []
         """Called after each step's checkpoint is written and before its batch is acked."""
         # --- set by start() ---
-        self.model: TinyLM | None = None
-        self.learner: Learner | None = None
+        self.model: Any = None
+        """A ``TinyLM``, a Hugging Face model, or a ``PeftModel`` (LoRA)."""
+        self.learner: Learner | HFLearnerType | None = None
+        self._save_kwargs: dict[str, Any] = {}
         self.state: TrainerState | None = None
         self.client: RolloutClient | None = None
         self.weights: WeightPublisher | None = None
@@ -92,20 +101,10 @@ class Trainer:
         torch.set_num_threads(max(1, cfg.torch_threads))
         torch.manual_seed(cfg.seed)
         checkpoint = self.store.load() if self.store is not None else None
-        if checkpoint is not None:
-            model = TinyLM(ModelConfig.from_dict(checkpoint.model_config) if checkpoint.model_config
-                           else load_config(cfg.model_path))
-            model.load_state_dict(checkpoint.model)
-            self.learner = Learner(model, cfg.optim, cfg.loss)
-            self.learner.optimizer.load_state_dict(checkpoint.optimizer)
-            self.state = checkpoint.state
+        if cfg.model_path and is_hf_dir(cfg.model_path):
+            self._start_hf(checkpoint)
         else:
-            if not cfg.model_path:
-                raise ConfigError("model_path is required when there is no checkpoint to resume")
-            model = load_model(cfg.model_path)
-            self.learner = Learner(model, cfg.optim, cfg.loss)
-            self.state = TrainerState(version=cfg.initial_version)
-        self.model = model
+            self._start_tiny(checkpoint)
         self.client = RolloutClient(self.redis, self.keys, ClientConfig(
             policy=cfg.policy, trainer_id=cfg.trainer_id, group=cfg.group, consumer_index=cfg.dp_rank,
             dp_size=cfg.dp_size, rollout=cfg.rollout), self.producer)
@@ -113,15 +112,62 @@ class Trainer:
                                        self.producer, keep_versions=cfg.publish.keep_versions)
         self.step_log = StepLogger(cfg)
         self.client.start()
-        self.weights.adopt(self.state.version)
+        state = self._st()
+        self.weights.adopt(state.version)
         self._ensure_served()
-        if self.state.step > 0:  # a crash may have come between the checkpoint and the announcement
+        if state.step > 0:  # a crash may have come between the checkpoint and the announcement
             self._announce_step()
             self._log_recovered_step()
-        m.VERSION.labels(*self._labels).set(self.state.version)
+        m.VERSION.labels(*self._labels).set(state.version)
         log.info("trainer %s of %s at step %d, version %d (%s mode, %d in flight)", cfg.trainer_id, cfg.policy,
-                 self.state.step, self.state.version, cfg.schedule.mode, len(self.state.in_flight))
-        return self.state
+                 state.step, state.version, cfg.schedule.mode, len(state.in_flight))
+        return state
+
+    def _start_tiny(self, checkpoint: Checkpoint | None) -> None:
+        cfg = self.config
+        temperature = cfg.rollout.temperature
+        if checkpoint is not None:
+            model = TinyLM(ModelConfig.from_dict(checkpoint.model_config) if checkpoint.model_config
+                           else load_config(cfg.model_path))
+            model.load_state_dict(checkpoint.model)
+            self.learner = Learner(model, cfg.optim, cfg.loss, temperature=temperature)
+            self.learner.optimizer.load_state_dict(checkpoint.optimizer)
+            self.state = checkpoint.state
+        else:
+            if not cfg.model_path:
+                raise ConfigError("model_path is required when there is no checkpoint to resume")
+            model = load_model(cfg.model_path)
+            self.learner = Learner(model, cfg.optim, cfg.loss, temperature=temperature)
+            self.state = TrainerState(version=cfg.initial_version)
+        self.model = model
+
+    def _start_hf(self, checkpoint: Checkpoint | None) -> None:
+        """A Hugging Face causal LM from ``model_path`` (full weights, or a LoRA adapter on it); a
+        checkpoint holds the trained parameters (the adapter's alone for LoRA) and the optimiser."""
+        from rollout_bus.lm import hf
+        from rollout_bus.trainer.hf_learner import HFLearner, load_causal_lm
+
+        cfg = self.config
+        hf.quiet()
+        settings = replace(cfg.hf, temperature=cfg.rollout.temperature)
+        learner = HFLearner(load_causal_lm(cfg.model_path), cfg.optim, cfg.loss, settings)
+        tokenizer = _tokenizer_of(cfg.model_path)
+        if not cfg.rollout.stop_token_ids:
+            cfg.rollout.stop_token_ids = stop_ids(cfg.model_path, tokenizer.eos_token_id)
+        # a full version is a whole model directory: the tokenizer goes beside the weights
+        self._save_kwargs = {} if learner.is_lora else {"tokenizer": tokenizer}
+        if checkpoint is not None:
+            missing = [n for n in _trainable_state(learner.model) if n not in checkpoint.model]
+            if missing:
+                raise ConfigError(f"the checkpoint in {cfg.checkpoint_dir} does not fit {cfg.model_path}"
+                                  f"{' with LoRA' if learner.is_lora else ''}: it lacks {missing[:3]}")
+            learner.model.load_state_dict(checkpoint.model, strict=False)
+            learner.optimizer.load_state_dict(checkpoint.optimizer)
+            self.state = checkpoint.state
+        else:
+            self.state = TrainerState(version=cfg.initial_version)
+        self.learner = learner
+        self.model = learner.model
 
     def stop(self) -> None:
         if self.client is not None:
@@ -137,7 +183,7 @@ class Trainer:
         if self.weights.serving_version() >= version:
             return
         if self.weights.published_version() < version:
-            self.weights.publish(self.model, version)
+            self.weights.publish(self.model, version, **self._save_kwargs)
         self.weights.wait_serving(version, self.config.publish.serving_timeout_s)
 
     # --- the loop --------------------------------------------------------------------------
@@ -319,6 +365,7 @@ class Trainer:
         t0 = time.perf_counter()
         trained_staleness = state.version - data.weight_versions
         metrics = learner.train_step(data)
+        metrics.setdefault("entropy", math.nan)  # the HF learner does not compute the full-vocabulary entropy
         state.step += 1
         state.version += 1
         state.trained.append((state.step, batch.batch_id))
@@ -337,14 +384,20 @@ class Trainer:
             in_flight=float(len(state.in_flight)), stale_groups_total=state.counters.get("stale_groups", 0.0),
             stale_samples_total=state.counters.get("stale_samples", 0.0),
             redelivered_batches_total=state.counters.get("redelivered_batches", 0.0))
+        batch_metrics = (batch.data.metadata.get("metrics") if batch.data is not None else None) or {}
+        for key in ("correct_frac", "formatted_frac", "response_len_mean", "truncated_frac"):
+            value = batch_metrics.get(key) if isinstance(batch_metrics, dict) else None
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                metrics[key] = float(value)  # the executors' judgement of the batch's answers
         for s, n in zip(*torch.unique(trained_staleness, return_counts=True), strict=True):
             metrics[f"{STALENESS_PREFIX}{int(s)}"] = float(n)
         state.last_metrics = metrics
         assert self.weights is not None and self.model is not None
-        self.weights.save(self.model, state.version)
+        self.weights.save(self.model, state.version, **self._save_kwargs)
         metrics["weights_save_ms"] = (time.perf_counter() - t1) * 1000
         if self.store is not None:
-            self.store.save(state, self.model, learner.optimizer)
+            self.store.save(state, self.model, learner.optimizer, model_state=None if isinstance(learner, Learner)
+                            else _trainable_state(self.model))
         metrics["save_ms"] = (time.perf_counter() - t1) * 1000
         for after in self.after_checkpoint:
             after(state)
@@ -406,8 +459,32 @@ class Trainer:
             raise RuntimeError("Trainer.start() first")
         return self.client
 
-    def _ln(self) -> Learner:
+    def _ln(self) -> Learner | HFLearnerType:
         if self.learner is None:
             raise RuntimeError("Trainer.start() first")
         return self.learner
 
+
+def stop_ids(path: str, eos: int | None) -> tuple[int, ...]:
+    """The ids that end a response of the model in ``path``: EOS and the generation config's."""
+    from rollout_bus.lm import hf_tokenizer
+
+    return tuple(sorted(hf_tokenizer.stop_ids(Path(path), eos)))
+
+
+def _tokenizer_of(path: str) -> Any:
+    """The tokenizer of a Hugging Face model directory; a clear error when it has none."""
+    from rollout_bus.lm import hf
+
+    try:
+        return hf.load_tokenizer(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model directory {path} has no usable tokenizer ({type(exc).__name__}: {exc}); "
+                          "a model directory needs its tokenizer files (tokenizer.json, tokenizer_config.json) "
+                          "beside config.json") from None
+
+
+def _trainable_state(model: Any) -> dict[str, torch.Tensor]:
+    """The parameters that train (all of a full fine-tune, the adapter's of a LoRA one), by state-dict name."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {name: t for name, t in model.state_dict().items() if name in trainable}

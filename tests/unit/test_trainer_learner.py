@@ -58,3 +58,20 @@ def test_pad_batch_and_to_padded_agree_on_right_padding() -> None:
     ids, mask = pad_batch([data.tokens[i].tolist() for i in range(len(data))], side="right")
     padded = to_padded(data)
     assert torch.equal(ids, padded.input_ids) and torch.equal(mask, padded.attention_mask)
+
+
+def test_the_learner_recomputes_log_probs_at_the_rollouts_temperature() -> None:
+    """Rollout log-probs sampled at T=0.5 from the same weights: the learner at T=0.5 sees no off-policy gap
+    (rollout KL 0, importance weights 1); one that ignored the temperature would see a large one."""
+    config = ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=32)
+    data = fake_batch(2, 4, rollout_id=0, version=0, rng=random.Random(5))
+    padded = to_padded(data)
+    with torch.no_grad():
+        at_half = token_logprobs(build_model(config, seed=0), padded.input_ids, padded.attention_mask, 0.5)
+    data.rollout_log_probs.values.copy_(at_half[padded.loss_mask.bool()])
+    assert torch.equal(to_padded(data).rollout_logp, at_half * padded.loss_mask)
+
+    same = Learner(build_model(config, seed=0), OptimConfig(), LossSettings(), temperature=0.5).train_step(data)
+    assert abs(same["rollout_kl"]) < 1e-5 and abs(same["is_weight_mean"] - 1.0) < 1e-5
+    ignored = Learner(build_model(config, seed=0), OptimConfig(), LossSettings()).train_step(data)
+    assert abs(ignored["rollout_kl"]) > 1e-2
