@@ -46,7 +46,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     from rollout_bus.events.connection import connect, redis_url
     from rollout_bus.events.embedded import private_redis
     from rollout_bus.events.names import Keys
-    from rollout_bus.launch.procs import ProcessSet, RestartPolicy
+    from rollout_bus.launch.procs import ProcessSet, RestartPolicy, signals_deferred
     from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards, run_faults
     from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
     from rollout_bus.trainer.config import parse_log_to
@@ -152,13 +152,17 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         return RunResult(config, {s.policy: s.to_dict() for s in summaries}, wall_s, out, namespace, text,
                          faults.to_dict())
     finally:
-        _adopt_engines_quietly(client, keys, procs)
-        procs.stop_all()
-        if config.log_events:
-            _export_quietly(client, keys, Path(config.log_events), policies if holding else [])
-        client.close()
-        if server is not None:
-            server.stop()
+        with signals_deferred():  # a second signal must not leave the run's processes behind
+            _adopt_engines_quietly(client, keys, procs)
+            procs.stop_all()
+        try:
+            if config.log_events:
+                _export_quietly(client, keys, Path(config.log_events), policies if holding else [])
+        finally:
+            with signals_deferred():
+                client.close()
+                if server is not None:
+                    server.stop()
 
 
 def _janitor_args(config: RunConfig) -> list[str]:

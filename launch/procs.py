@@ -20,8 +20,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,3 +172,27 @@ class ProcessSet:
                 with contextlib.suppress(ProcessLookupError, PermissionError):  # gone, or the pid reused
                     os.kill(pid, signal.SIGKILL)
 
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM are counted, not raised, inside the block: a second Ctrl-C or a SIGTERM
+    that arrives while a run stops its processes must not cut that short and leave children
+    behind. (The handler only counts: writing a log line from a signal handler can re-enter a
+    write in progress.) Only the main thread can set handlers; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        seen.append(signum)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if seen:
+            log.warning("%d signal(s) arrived while the run stopped its processes: they waited", len(seen))
