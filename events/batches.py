@@ -31,7 +31,7 @@ import msgpack
 import redis
 
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
-from rollout_bus.events.connection import Guard, as_str
+from rollout_bus.events.connection import Guard, Redis, as_str, confirm_replicated
 from rollout_bus.events.errors import DecodeError, PayloadMissing
 from rollout_bus.events.names import Keys, check_name
 from rollout_bus.events.payload import make_store
@@ -63,6 +63,8 @@ return false
 # ARGV[1] dedupe ttl s, ARGV[2] readers ttl s, ARGV[3] maxlen (0 = none), ARGV[4] ref,
 # ARGV[5..] field, value pairs. Returns {entry id, 1} when appended; on a repeat {existing id, 0},
 # with this attempt's ref unindexed and its keys in Redis deleted (the caller deletes other bytes).
+# An error when this attempt's payload keys are not all there (written to a primary that failed over
+# before its replica had them): no event ever points at bytes that are gone.
 _PUBLISH = """
 local prev = redis.call('GET', KEYS[2])
 if prev then
@@ -70,6 +72,9 @@ if prev then
   redis.call('HDEL', KEYS[6], ARGV[4])
   if #KEYS > 6 then redis.call('DEL', unpack(KEYS, 7)) end
   return {prev, 0}
+end
+if #KEYS > 6 and redis.call('EXISTS', unpack(KEYS, 7)) < #KEYS - 6 then
+  return redis.error_reply('PAYLOADLOST the payload of ' .. ARGV[4] .. ' is not in this Redis (a failover lost it)')
 end
 local id
 if tonumber(ARGV[3]) > 0 then
@@ -169,7 +174,19 @@ class BatchChannel:
         inline = self.store.redis_keys(reference)
         script_keys = [stream, dedupe, self.keys.payload_readers(ref), self.keys.registered_groups(stream),
                        self.keys.payload_index, self.keys.payload_stores, *inline]
-        entry_id, appended = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))
+        d = self.publisher.durability
+        if d.replicas == 0:
+            entry_id, appended = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))
+        else:  # a BatchReady survives a failover: acknowledged only once the replicas have it
+            def attempt() -> tuple[Any, int]:
+                def send(c: Redis) -> tuple[Any, int]:
+                    pipe = c.pipeline(transaction=False)  # one connection: WAIT counts what this one wrote
+                    self._publish(keys=script_keys, args=args, client=pipe)
+                    pipe.execute_command("WAIT", d.replicas, d.timeout_ms)
+                    reply, acks = pipe.execute()
+                    return reply, int(acks)
+                return self.guard.call(send)
+            entry_id, appended = confirm_replicated(d, f"BatchReady {policy}/{batch_id}", attempt)
         if not appended:
             log.info("batch %s of %s was published by another attempt first; dropping this attempt's copy",
                      batch_id, policy)

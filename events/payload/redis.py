@@ -20,6 +20,7 @@ import numpy as np
 import redis
 
 from rollout_bus.events.batch import Buffer, EncodedBatch
+from rollout_bus.events.connection import is_sentinel_client
 from rollout_bus.events.errors import BusUnavailable, DecodeError, PayloadMissing, RedisCommandError
 from rollout_bus.events.names import Keys
 from rollout_bus.events.payload.base import PayloadBuffer, PayloadStore, Reference
@@ -67,8 +68,9 @@ class RedisStore(PayloadStore):
         self.keys = keys
         self.chunk_bytes = chunk_bytes
         self.window = max(1, window)
-        if raw is None:
-            raw = not type(client).__module__.startswith("fakeredis")
+        if raw is None:  # a Sentinel client has no fixed address: its connections ask the sentinels
+            raw = not type(client).__module__.startswith("fakeredis") and (address is not None
+                                                                          or not is_sentinel_client(client))
         self._conn = RespConnection(address or Address.from_client(client)) if raw else None
         self._lock = threading.Lock()
 
