@@ -29,9 +29,10 @@ from typing import Any
 
 import msgpack
 import redis
+from redis.exceptions import NoScriptError
 
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
-from rollout_bus.events.connection import Guard, Redis, as_str, confirm_replicated
+from rollout_bus.events.connection import Durability, Guard, Redis, as_str, confirm_replicated
 from rollout_bus.events.errors import DecodeError, PayloadMissing
 from rollout_bus.events.names import Keys, check_name
 from rollout_bus.events.payload import make_store
@@ -179,13 +180,7 @@ class BatchChannel:
             entry_id, appended = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))
         else:  # a BatchReady survives a failover: acknowledged only once the replicas have it
             def attempt() -> tuple[Any, int]:
-                def send(c: Redis) -> tuple[Any, int]:
-                    pipe = c.pipeline(transaction=False)  # one connection: WAIT counts what this one wrote
-                    self._publish(keys=script_keys, args=args, client=pipe)
-                    pipe.execute_command("WAIT", d.replicas, d.timeout_ms)
-                    reply, acks = pipe.execute()
-                    return reply, int(acks)
-                return self.guard.call(send)
+                return self.guard.call(lambda c: self._publish_and_wait(c, script_keys, args, d))
             entry_id, appended = confirm_replicated(d, f"BatchReady {policy}/{batch_id}", attempt)
         if not appended:
             log.info("batch %s of %s was published by another attempt first; dropping this attempt's copy",
@@ -193,6 +188,22 @@ class BatchChannel:
             if not inline:
                 self.store.delete(reference)
         return as_str(entry_id)
+
+    def _publish_and_wait(self, c: Redis, script_keys: list[Any], args: list[Any], d: Durability) -> tuple[Any, int]:
+        """The publish script and a ``WAIT`` behind it on one connection (WAIT counts what that one wrote)."""
+        for _ in range(2):
+            pipe = c.pipeline(transaction=False)
+            pipe.execute_command("EVALSHA", self._publish.sha, len(script_keys), *script_keys, *args)
+            pipe.execute_command("WAIT", d.replicas, d.timeout_ms)
+            reply, acks = pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError):  # e.g. a promoted replica: scripts are not replicated
+                self._publish.sha = c.script_load(self._publish.script)
+                continue
+            for r in (reply, acks):
+                if isinstance(r, Exception):
+                    raise r
+            return reply, int(acks)
+        raise NoScriptError("the publish script is missing right after it was loaded")
 
     # --- consuming ---------------------------------------------------------------------
     def fetch(self, event: BatchReady, *, verify: bool = True) -> Batch:

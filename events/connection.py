@@ -144,7 +144,9 @@ class SentinelURL:
         return f"master {self.master!r} of sentinels {','.join(f'{h}:{p}' for h, p in self.sentinels)}"
 
     def sentinel(self, common: dict[str, Any]) -> redis.sentinel.Sentinel:
-        sentinel_kwargs = {"socket_connect_timeout": 2.0, "socket_timeout": 2.0,
+        # each question to a sentinel is asked once: the caller (``check``, or the guard around a
+        # connection that looks the primary up) decides when to ask again
+        sentinel_kwargs = {"socket_connect_timeout": 2.0, "socket_timeout": 2.0, "retry": Retry(NoBackoff(), 0),
                            "username": self.sentinel_username, "password": self.sentinel_password}
         return redis.sentinel.Sentinel(list(self.sentinels), sentinel_kwargs=sentinel_kwargs,
                                        socket_keepalive=True, **common)
@@ -152,8 +154,8 @@ class SentinelURL:
     def connect(self, common: dict[str, Any]) -> redis.Redis:
         manager = self.sentinel(common)
         self.check(manager)
-        return manager.master_for(self.master, redis_class=redis.Redis, db=self.db, username=self.username,
-                                  password=self.password)
+        return manager.master_for(self.master, redis_class=redis.Redis, connection_class=PrimaryConnection,
+                                  db=self.db, username=self.username, password=self.password)
 
     def check(self, manager: redis.sentinel.Sentinel) -> None:
         """Ask the sentinels for the master until one answers (``check_s``); an unknown name is refused at once."""
@@ -182,6 +184,34 @@ class SentinelURL:
                 raise BusUnavailable(f"no Sentinel of {self.describe()} reachable within {self.check_s:g}s: "
                                      + "; ".join(errors))
             time.sleep(0.2)
+
+
+class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
+    """A connection to the primary the sentinels name, refused when the server says it is not one.
+
+    During a failover a sentinel that has not caught up may still name the old primary, back on its
+    port as a replica by then; a write there fails in ways redis-py does not take for a failover
+    (``NOSCRIPT`` before ``READONLY``). Asking ``ROLE`` once per new connection turns that into a
+    connection error, which the guard retries after asking the sentinels again. A connection kept
+    out of the pool (``Lane``) that lost its socket asks the sentinels too, not the last address.
+    """
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:  # redis-py would reconnect to the last address here; ask the sentinels instead
+            self.connect()
+        super().send_packed_command(command, check_health)
+
+    def on_connect_check_health(self, check_health: bool = True) -> None:
+        super().on_connect_check_health(check_health=check_health)
+        if not self.connection_pool.is_master:
+            return
+        self.send_command("ROLE")
+        role = self.read_response()
+        if not role or as_str(role[0]) != "master":
+            where = f"{self.host}:{self.port}"
+            self.disconnect()
+            raise redis.ConnectionError(f"{where} is not the primary (ROLE {as_str(role[0]) if role else '?'}); "
+                                        "the sentinels are still failing over")
 
 
 def _redact(url: str) -> str:
