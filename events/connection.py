@@ -191,7 +191,7 @@ class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
 
     During a failover a sentinel that has not caught up may still name the old primary, back on its
     port as a replica by then; a write there fails in ways redis-py does not take for a failover
-    (``NOSCRIPT`` before ``READONLY``). Asking ``ROLE`` once per new connection turns that into a
+    (``NOSCRIPT`` before ``READONLY``). Asking ``HELLO`` for the role once per new connection turns that into a
     connection error, which the guard retries after asking the sentinels again. A connection kept
     out of the pool (``Lane``) that lost its socket asks the sentinels too, not the last address.
     """
@@ -205,12 +205,14 @@ class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
         super().on_connect_check_health(check_health=check_health)
         if not self.connection_pool.is_master:
             return
-        self.send_command("ROLE")
-        role = self.read_response()
-        if not role or as_str(role[0]) != "master":
+        self.send_command("HELLO")  # no protocol version: nothing changes; every ACL user may (@connection)
+        reply = self.read_response()
+        info = dict(zip(reply[::2], reply[1::2], strict=True)) if isinstance(reply, list) else dict(reply or {})
+        role = as_str(info.get(b"role", info.get("role", b"?")))
+        if role != "master":
             where = f"{self.host}:{self.port}"
             self.disconnect()
-            raise redis.ConnectionError(f"{where} is not the primary (ROLE {as_str(role[0]) if role else '?'}); "
+            raise redis.ConnectionError(f"{where} is not the primary (its role: {role}); "
                                         "the sentinels are still failing over")
 
 
