@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -214,6 +215,33 @@ class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
             self.disconnect()
             raise redis.ConnectionError(f"{where} is not the primary (its role: {role}); "
                                         "the sentinels are still failing over")
+
+
+def redis_host(url: str | None = None) -> tuple[str, int]:
+    """The host and port a url's first server is reached at (a Sentinel url: its first sentinel)."""
+    target = redis_url(url)
+    if SentinelURL.matches(target):
+        return SentinelURL.parse(target).sentinels[0]
+    if target.startswith("unix://"):
+        return "127.0.0.1", 6379
+    parts = urlsplit(target)
+    return parts.hostname or "127.0.0.1", parts.port or 6379
+
+
+def route_address(url: str | None = None) -> str:
+    """This host's address on the route to Redis: where other hosts that reach Redis can reach us.
+
+    No packet is sent (a UDP socket's ``connect`` only picks the route); 127.0.0.1 when Redis is local.
+    """
+    host, port = redis_host(url)
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect(infos[0][4])
+            return str(sock.getsockname()[0])
+    except OSError as exc:
+        raise BusUnavailable(f"no route from this host to Redis at {host}:{port} ({exc}): give the address other "
+                             "hosts reach this one at (--advertise-host)") from None
 
 
 def _redact(url: str) -> str:
