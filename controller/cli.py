@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    from rollout_bus.lm.files import weights_root_problem
+
+    problem = weights_root_problem(config.weights_root)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import asyncio
