@@ -120,6 +120,10 @@ class Keys:
         """Set of consumer groups that must read every entry of ``stream`` (retention, payloads)."""
         return self._k("groups", self._local(stream))
 
+    def group_hosts(self, stream: str) -> str:
+        """Hash group -> the host its consumers run on (a same-host store, shm, checks it before a publish)."""
+        return self._k("groups", "hosts", self._local(stream))
+
     def group_beats(self, stream: str) -> str:
         """Sorted set group -> the time (ms, Redis clock) its registration lapses unless a consumer beats."""
         return self._k("group-beats", self._local(stream))
