@@ -86,17 +86,12 @@ class ControllerBus:
         await self.announce(self.keys.weight_stream, event, record, durable=durable)
 
     async def put_engines(self, records: Iterable[EngineRecord]) -> None:
-        """Several engine records (no events) in one round trip."""
+        """Several engine records (no events) in one command: a health round's loads cost one write,
+        not one per engine."""
         snapshots = [copy.deepcopy(r) for r in records]
         if not snapshots:
             return
-
-        def send(client: Redis) -> None:
-            pipe = client.pipeline(transaction=False)
-            for snapshot in snapshots:
-                self.registry.put_engine(snapshot, pipe)
-            pipe.execute()
-        await self.call(lambda: self.registry.guard.call(send))
+        await self.call(lambda: self.registry.put_engines(snapshots))
 
     async def put_policy(self, record: PolicyRecord) -> None:
         snapshot = copy.deepcopy(record)

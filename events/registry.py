@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -158,6 +158,20 @@ class Registry:
         """Write ``record`` (stamped now); queued on ``pipe`` when one is given, else sent at once."""
         record.updated_ms = time.time_ns() // 1_000_000
         self._put(self.keys.engine_registry, record.engine_id, record.pack(), pipe)
+
+    def put_engines(self, records: Sequence[EngineRecord]) -> None:
+        """Write several records (stamped now) with one command: one ``HSET`` of every field, fenced as one."""
+        if not records:
+            return
+        now_ms = time.time_ns() // 1_000_000
+        pairs: list[Any] = []
+        for record in records:
+            record.updated_ms = now_ms
+            pairs += [record.engine_id, record.pack()]
+        if self._fenced is not None:
+            self._run_fenced(self.keys.engine_registry, "set", pairs, None)
+        else:
+            self.guard.call(lambda c: c.execute_command("HSET", self.keys.engine_registry, *pairs))
 
     def remove_engine(self, engine_id: str) -> None:
         if self._fenced is None:
