@@ -56,7 +56,7 @@ def serve_stubs(n: int, ports_file: Path, token_ms: float, knee: float, tokens: 
     async def main() -> None:
         runners = []
         ports = []
-        for i in range(n):
+        for _ in range(n):
             in_flight = [0]
 
             async def generate(request: web.Request, in_flight: list[int] = in_flight) -> web.Response:
