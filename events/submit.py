@@ -72,14 +72,20 @@ class RolloutSubmitter:
         self.guard = Guard(client, name=f"submitter {self.producer}")
         self._queues = {name: rq_queue(client, name) for name in (keys.rollout_queue, keys.eval_queue)}
 
-    def known_policies(self) -> set[str]:
+    def known_policies(self, wanted: str | None = None) -> set[str]:
+        """Policies a request may name. With ``wanted``: the policy records, and only when ``wanted`` has
+        none, the engines' versions too (a submit reads one small hash, not every engine record)."""
         if self.config.known_policies is not None:
             return set(self.config.known_policies)
+        if wanted is not None:
+            policies = set(self.registry.policies())
+            if wanted in policies:
+                return policies
         return registry_policies(self.registry)
 
     def submit(self, request: RolloutRequest) -> Job:
         """Queue ``request`` (``InvalidRequest`` if it is not valid); a repeat returns the existing job."""
-        request.validate(self.known_policies())
+        request.validate(self.known_policies(request.policy))
         queue = self._queues[queue_name(self.keys, request.eval)]
 
         def enqueue(_: Redis) -> Job:  # a retry after a lost reply finds the job there: DuplicateJobError
