@@ -12,6 +12,9 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "default"
+REGISTRY_GENERATION = "#gen"
+"""A field of each registry hash counting its writes (never a record: no checked name starts with ``#``);
+a reader that holds a snapshot re-reads the records only when it changed."""
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 

@@ -25,7 +25,7 @@ import redis
 
 from rollout_bus.events.connection import Guard
 from rollout_bus.events.errors import Fenced, RedisCommandError
-from rollout_bus.events.names import Keys
+from rollout_bus.events.names import REGISTRY_GENERATION, Keys
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -50,9 +50,7 @@ def parse_adapter_name(name: str) -> tuple[str, int] | None:
 
 
 FENCED = "FENCED"
-GENERATION = "#gen"
-"""A field of each registry hash counting its writes (never a record: no name may start with ``#``);
-a reader that holds a snapshot re-reads the records only when it changed."""
+GENERATION = REGISTRY_GENERATION
 _GENERATION_BYTES = GENERATION.encode()
 # KEYS[1] fencing counter, KEYS[2] hash; ARGV[1] token, ARGV[2] 'set' or 'del', ARGV[3..] fields (and values).
 _FENCED_WRITE = """
