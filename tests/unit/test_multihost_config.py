@@ -50,3 +50,21 @@ def test_the_controller_will_not_start_without_the_weights_root(tmp_path: Path,
     code = main(["--model-path", str(tmp_path), "--weights-root", str(tmp_path / "nfs" / "weights")])
     assert code == 2
     assert "every host mounts at the same path" in capsys.readouterr().err
+
+
+def test_a_submit_reads_the_policy_records_not_every_engine_record(fake_client: object) -> None:
+    from rollout_bus.events.names import Keys
+    from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
+    from rollout_bus.events.submit import RolloutSubmitter
+
+    keys = Keys("submitcost")
+    registry = Registry(fake_client, keys)  # type: ignore[arg-type]
+    registry.put_engine(EngineRecord(engine_id="e0", url="http://e0", state=EngineState.SERVING,
+                                     versions={"p": 0, "adapter": 1}, base_policy="p"))
+    registry.put_policy(PolicyRecord(policy="p", published=0, serving=0))
+    submitter = RolloutSubmitter(fake_client, keys)  # type: ignore[arg-type]
+    reads: list[int] = []
+    engines = submitter.registry.engines
+    submitter.registry.engines = lambda: reads.append(1) or engines()  # type: ignore[method-assign,func-returns-value]
+    assert "p" in submitter.known_policies("p") and reads == []  # a policy record: no engine record read
+    assert "adapter" in submitter.known_policies("adapter") and reads == [1]  # only on engines: read them
