@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from rollout_bus.events.connection import route_address
 from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name
 
@@ -125,6 +124,8 @@ class ControllerConfig:
 
     def engine_addresses(self) -> tuple[str, str]:
         """(listen, advertise) of launched engines, the automatic ones resolved (see the fields)."""
+        from rollout_bus.events.connection import route_address  # not at import: --help loads no Redis client
+
         advertise = self.advertise_host or route_address(self.redis_url)
         listen = self.engine_host or ("127.0.0.1" if is_loopback(advertise) else "0.0.0.0")
         if is_loopback(listen) and not is_loopback(advertise):
