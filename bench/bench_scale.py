@@ -205,10 +205,10 @@ def run_once(n_exec: int, n_engines: int, args: argparse.Namespace, server: Any,
                                 keys.namespace, "--index", str(i), "--queues", "rollout", "--log-level", "WARNING"],
                                run_dir / f"executor-{i}.log"))
         queue = rq_queue(client, keys.rollout_queue)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while Worker.count(queue=queue) < n_exec:
             if time.monotonic() > deadline:
-                raise TimeoutError("executors did not start")
+                raise TimeoutError("executors did not start: " + (run_dir / "executor-0.log").read_text()[-2000:])
             time.sleep(0.1)
         time.sleep(args.health_interval_s)  # at least one health round with every engine before the window
         submitter = RolloutSubmitter(client, keys)
