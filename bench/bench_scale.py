@@ -177,7 +177,7 @@ def run_once(n_exec: int, n_engines: int, args: argparse.Namespace, server: Any,
     from rollout_bus.events.paging import page
     from rollout_bus.events.registry import EngineState, Registry
     from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
-    from rollout_bus.events.schema import decode
+    from rollout_bus.events.schema import RolloutCompleted, decode
     from rollout_bus.events.submit import RolloutSubmitter, rq_queue
 
     client = connect(server.url)
@@ -224,7 +224,7 @@ def run_once(n_exec: int, n_engines: int, args: argparse.Namespace, server: Any,
             n_done = client.xlen(keys.rollout_stream)
             if n_done >= 3 * n_jobs:  # requested, started, completed (or failed) per job, at least
                 events = [decode(f) for _, f in page(client, keys.rollout_stream)]
-                done = [e for e in events if e.type == "RolloutCompleted"]
+                done = [e for e in events if isinstance(e, RolloutCompleted)]
                 if len(done) >= n_jobs or any(e.type == "RolloutFailed" for e in events):
                     break
             if time.monotonic() > deadline:
