@@ -92,8 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    import contextlib
+    from pathlib import Path
+
     from rollout_bus.lm.files import weights_root_problem
 
+    with contextlib.suppress(OSError):  # as the trainer does: the root may not exist yet on the shared filesystem
+        Path(config.weights_root).mkdir(parents=True, exist_ok=True)
     problem = weights_root_problem(config.weights_root)
     if problem is not None:
         print(problem, file=sys.stderr)

@@ -43,10 +43,11 @@ def test_a_weights_root_this_host_cannot_see_is_a_clear_error(tmp_path: Path) ->
     assert problem is not None and "does not exist on host" in problem and "every host mounts" in problem
 
 
-def test_the_controller_will_not_start_without_the_weights_root(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_controller_will_not_start_without_a_usable_weights_root(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     from rollout_bus.controller.cli import main
 
+    (tmp_path / "nfs").write_text("a file where the mount should be")
     code = main(["--model-path", str(tmp_path), "--weights-root", str(tmp_path / "nfs" / "weights")])
     assert code == 2
     assert "every host mounts at the same path" in capsys.readouterr().err
