@@ -17,7 +17,7 @@ submits ``--jobs-per-executor`` jobs per executor (at least ``--min-jobs``) of `
 RolloutCompleted:
 
 - Redis commands per sample: the ``INFO commandstats`` calls of the window / samples;
-- Redis CPU per sample: redis-server's user+system CPU of the window / samples;
+- Redis CPU per sample: redis-server's user+system CPU of the window (``INFO cpu``) / samples;
 - health round: the controller's ``rollout_bus_controller_health_round_seconds``, mean over every round
   since it adopted the engines (idle and busy);
 - dispatch overhead: per job, executor wall time outside engine calls (``wall_s - engine_busy_s`` of
@@ -150,10 +150,10 @@ def commandstats(client: Any) -> int:
     return sum(int(v["calls"]) for k, v in client.info("commandstats").items())
 
 
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_s(client: Any) -> float:
+    """redis-server's own CPU seconds, user + system, from ``INFO cpu`` (microsecond resolution)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def health_round(metrics_url: str) -> tuple[float, float]:
@@ -214,8 +214,7 @@ def run_once(n_exec: int, n_engines: int, args: argparse.Namespace, server: Any,
         submitter = RolloutSubmitter(client, keys)
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
         n_jobs = max(args.min_jobs, n_exec * args.jobs_per_executor)
-        server_pid = server.proc.pid
-        calls0, cpu0 = commandstats(client), cpu_s(server_pid)
+        calls0, cpu0 = commandstats(client), cpu_s(client)
         t0 = time.monotonic()
         for r in range(n_jobs):
             submitter.submit(RolloutRequest.create("p", r, args.groups, args.samples, sampling=sampling, timeout_s=600))
@@ -231,7 +230,7 @@ def run_once(n_exec: int, n_engines: int, args: argparse.Namespace, server: Any,
                 raise TimeoutError(f"jobs did not finish; see {run_dir}")
             time.sleep(0.05)
         wall = time.monotonic() - t0
-        calls1, cpu1 = commandstats(client), cpu_s(server_pid)
+        calls1, cpu1 = commandstats(client), cpu_s(client)
         hsum, rounds = health_round(f"http://127.0.0.1:{metrics_port}/metrics")  # every round since adoption
     finally:
         stop(procs[::-1])
