@@ -146,8 +146,8 @@ def start_stubs(n: int, per_proc: int, args: argparse.Namespace, tmp: Path) -> t
     return procs, urls
 
 
-def commandstats(client: Any) -> int:
-    return sum(int(v["calls"]) for k, v in client.info("commandstats").items())
+def commandstats(client: Any) -> dict[str, int]:
+    return {str(k).removeprefix("cmdstat_"): int(v["calls"]) for k, v in client.info("commandstats").items()}
 
 
 def cpu_s(client: Any) -> float:
@@ -246,7 +246,8 @@ def run_once(n_exec: int, n_engines: int, args: argparse.Namespace, server: Any,
     outside = [max(0.0, e.metrics["wall_s"] - e.metrics["engine_busy_s"]) for e in done]
     client.close()
     return {"executors": n_exec, "engines": n_engines, "jobs": n_jobs, "samples": samples, "wall_s": wall,
-            "cmds_per_sample": (calls1 - calls0) / samples, "redis_cpu_us_per_sample": (cpu1 - cpu0) / samples * 1e6,
+            "cmds_per_sample": (sum(calls1.values()) - sum(calls0.values())) / samples,
+            "by_command": {k: (n - calls0.get(k, 0)) / samples for k, n in calls1.items() if n > calls0.get(k, 0)}, "redis_cpu_us_per_sample": (cpu1 - cpu0) / samples * 1e6,
             "health_round_ms": hsum / rounds * 1000 if rounds else float("nan"), "rounds": rounds,
             "dispatch_ms_per_sample": sum(outside) / samples * 1000,
             "event_p99_ms": statistics.quantiles(lat, n=100)[98] if len(lat) > 1 else float("nan")}
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-knee", type=float, default=16.0)
     p.add_argument("--health-interval-s", type=float, default=1.0)
     p.add_argument("--stubs-per-process", type=int, default=64)
+    p.add_argument("--by-command", action="store_true", help="also print each run's commands per sample by command")
     p.add_argument("--serve-stubs", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--ports-file", default="", help=argparse.SUPPRESS)
     p.add_argument("--stub-tokens", default="[]", help=argparse.SUPPRESS)
@@ -296,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['executors']:>4} {r['engines']:>7} {r['jobs']:>4} {r['samples']:>7} {r['wall_s']:>6.1f} "
                   f"{r['cmds_per_sample']:>11.2f} {r['redis_cpu_us_per_sample']:>15.1f} {r['health_round_ms']:>15.1f} "
                   f"{r['dispatch_ms_per_sample']:>18.2f} {r['event_p99_ms']:>12.1f}", flush=True)
+            if args.by_command:
+                top = sorted(r["by_command"].items(), key=lambda kv: -kv[1])[:10]
+                print("      " + "  ".join(f"{k} {v:.2f}" for k, v in top), flush=True)
     load = os.getloadavg()
     print(f"# load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
           + ("; no verdict: 1-minute load above 1" if load[0] > 1 else ""))
