@@ -24,7 +24,14 @@ every path). Latency is one-way, from the event's scheduled send time to the con
 it decoded; at saturation it measures how far the consumer falls behind, so the latency
 figures to read are the fixed-load ones (p50 / p99 / p999).
 
+``--wait-replica`` starts a replica of the server and compares instead, at saturation in the
+same run, ``project`` (``Publisher.publish``, acknowledged by the primary alone) against
+``durable`` (``Publisher.publish(durable=True)``: a ``WAIT 1`` behind every event on the same
+connection, acknowledged once the replica has it: what WeightsPublished, BatchReady and
+WeightVersionServing pay with Sentinel).
+
     python bench/bench_events.py [--n 10000] [--reps 5] [--size 1024] [--count 64] [--loads 0.5,0.9]
+    python bench/bench_events.py --wait-replica [--n 3000] [--reps 3]
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class Job:
     batch: int = 16
     rate: float = 0.0  # offered events/s; 0: as fast as the publisher can
     profile: str = ""  # a folder: each process writes a cProfile (CPU time) of its loop there
+    durable: bool = False  # project path: WAIT for one replica behind every publish
 
 
 def schedule(job: Job) -> Any:
@@ -171,6 +179,8 @@ def consume_twin(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
 # --- the project -------------------------------------------------------------------------------
 
 def publish_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    if job.durable:  # a plain url: the replica to wait for is named here (with Sentinel it is the default)
+        os.environ["ROLLOUT_BUS_WAIT_REPLICAS"] = "1"
     client = connect(job.url)
     keys = Keys(job.namespace)
     pub = Publisher(client, keys, PRODUCER)
@@ -180,8 +190,9 @@ def publish_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
     go.wait()
     cpu0 = time.process_time()
     t0 = time.time_ns()
+    durable = job.durable
     for sent in schedule(job):
-        pub.publish(job.stream, BenchTick(producer=PRODUCER, sent_ns=sent, data=blob))
+        pub.publish(job.stream, BenchTick(producer=PRODUCER, sent_ns=sent, data=blob), durable=durable)
     out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
 
 
@@ -223,7 +234,8 @@ def consume_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
 
 
 PATHS = {"transport": (publish_twin, consume_twin), "twin": (publish_twin, consume_twin),
-         "project": (publish_project, consume_project), "many": (publish_project_many, consume_project)}
+         "project": (publish_project, consume_project), "many": (publish_project_many, consume_project),
+         "durable": (publish_project, consume_project)}
 
 
 # --- one run ------------------------------------------------------------------------------------
@@ -329,7 +341,7 @@ def run_series(server: RedisServer, args: argparse.Namespace, paths: list[str], 
         order = paths if rep % 2 == 0 else paths[::-1]
         for path in order:
             job = Job(path, server.url, "bench", f"rb:{{bench}}:stream:bench-{tag}-{rep}-{path}", args.n,
-                      args.size, args.count, args.batch, rate)
+                      args.size, args.count, args.batch, rate, durable=path == "durable")
             assert server.proc is not None
             r = run_once(job, server.proc.pid)
             results[path].append(r)
@@ -380,7 +392,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--verbose", action="store_true", help="print every run")
     p.add_argument("--profile", metavar="DIR", help="one saturation run per path under cProfile (CPU time), "
                    "stats written to DIR and summarised; no other runs")
+    p.add_argument("--wait-replica", action="store_true",
+                   help="with a replica: publish without WAIT (project) against WAIT 1 per event (durable)")
     args = p.parse_args(argv)
+    if args.wait_replica:
+        return wait_cost(args)
 
     twin_bytes, project_bytes = wire_sizes(args.size)
     print(f"{args.n} events x {args.reps} reps per path; payload {args.size} B "
@@ -427,6 +443,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"many (publish_many x{args.batch}) / idempotent twin (serial): {many:.2f} "
               "(batched vs serial publishing: not like for like)")
     return out
+
+
+def wait_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """``project`` against ``durable`` (WAIT 1 per event) at saturation, with one replica online."""
+    print(f"{args.n} events x {args.reps} reps per path; payload {args.size} B; one replica; "
+          f"{os.cpu_count()} CPUs, load average {load1():.2f} at start")
+    paths = ["project", "durable"]
+    with RedisServer() as server:
+        replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(server.port)]).start()
+        try:
+            wait_replica_online(server.url)
+            res = run_series(server, args, paths, 0.0, "wait")
+        finally:
+            replica.stop()
+    load = load1()
+    print(f"medians of {args.reps} (load average {load:.2f}):")
+    for path in paths:
+        print(f"  {path:8s} {med(res, path, 'rate'):9,.0f} msg/s   p50 {med(res, path, 'p50_ms'):6.3f} ms   "
+              f"cpu/event us: pub {med(res, path, 'pub_cpu_us'):5.1f} sub {med(res, path, 'sub_cpu_us'):5.1f} "
+              f"redis {med(res, path, 'server_cpu_us'):5.1f}")
+    ratio = med(res, "durable", "rate") / med(res, "project", "rate")
+    print(f"durable (WAIT 1 per event) / project (no WAIT) throughput: {ratio:.2f}; p50 "
+          f"{med(res, 'durable', 'p50_ms') - med(res, 'project', 'p50_ms'):+.3f} ms "
+          "(the cost of a replica's acknowledgement)")
+    return {"wait_ratio": ratio, "load": load}
+
+
+def wait_replica_online(url: str, timeout_s: float = 20) -> None:
+    client = connect(url)
+    deadline = time.monotonic() + timeout_s
+    while client.info("replication").get("connected_slaves", 0) < 1 or client.execute_command("WAIT", 1, 100) < 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the replica did not come online")
+        time.sleep(0.05)
+    client.close()
 
 
 if __name__ == "__main__":

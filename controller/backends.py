@@ -44,10 +44,12 @@ class LaunchSpec:
     lora_target_modules: tuple[str, ...] = ("all",)
     tp_size: int = 1
     base_gpu_id: int = 0
+    advertise_host: str = ""
+    """The address the engine registers under (other hosts reach it there); "": ``host``."""
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.advertise_host or self.host}:{self.port}"
 
 
 class Backend:

@@ -66,35 +66,32 @@ class ControllerBus:
             self.fenced.set()
             raise fenced from None
 
-    async def announce(self, stream: str, event: Event | None, record: EngineRecord | None = None) -> None:
+    async def announce(self, stream: str, event: Event | None, record: EngineRecord | None = None, *,
+                       durable: bool = False) -> None:
         snapshot = copy.deepcopy(record) if record is not None else None
 
         def write() -> None:
             if snapshot is not None:
                 self.registry.put_engine(snapshot)
             if event is not None:
-                self.publisher.publish(stream, event)
+                self.publisher.publish(stream, event, durable=durable)
         await self.call(write)
 
     async def engine(self, event: Event | None, record: EngineRecord | None = None) -> None:
         """An engine event on the engine stream, with the engine's record written first."""
         await self.announce(self.keys.engine_stream, event, record)
 
-    async def weights_event(self, event: Event, record: EngineRecord | None = None) -> None:
-        await self.announce(self.keys.weight_stream, event, record)
+    async def weights_event(self, event: Event, record: EngineRecord | None = None, *, durable: bool = False) -> None:
+        """An event on the weight stream; ``durable`` ones (``WeightVersionServing``) wait for the replicas."""
+        await self.announce(self.keys.weight_stream, event, record, durable=durable)
 
     async def put_engines(self, records: Iterable[EngineRecord]) -> None:
-        """Several engine records (no events) in one round trip."""
+        """Several engine records (no events) in one command: a health round's loads cost one write,
+        not one per engine."""
         snapshots = [copy.deepcopy(r) for r in records]
         if not snapshots:
             return
-
-        def send(client: Redis) -> None:
-            pipe = client.pipeline(transaction=False)
-            for snapshot in snapshots:
-                self.registry.put_engine(snapshot, pipe)
-            pipe.execute()
-        await self.call(lambda: self.registry.guard.call(send))
+        await self.call(lambda: self.registry.put_engines(snapshots))
 
     async def put_policy(self, record: PolicyRecord) -> None:
         snapshot = copy.deepcopy(record)

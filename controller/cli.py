@@ -30,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", action="append", default=[], dest="pools", metavar="POLICY=N",
                    help="N more engines whose base weights are the full-weight policy POLICY (repeatable)")
     p.add_argument("--model-path", default=d.model_path)
-    p.add_argument("--engine-host", default=d.engine_host)
+    p.add_argument("--engine-host", default=d.engine_host,
+                   help="where launched engines listen (default: 127.0.0.1 when everything is on this host, "
+                        "else 0.0.0.0)")
+    p.add_argument("--advertise-host", default=d.advertise_host,
+                   help="the address engines register under, reachable from the executors' hosts (default: "
+                        "this host's address on the route to Redis)")
     p.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
                    help="extra engine argument (repeatable), e.g. --engine-arg=--tp --engine-arg=2")
     p.add_argument("--token-delay-ms", type=float, default=d.token_delay_ms)
@@ -86,6 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         config, level = parse_config(argv)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    import contextlib
+    from pathlib import Path
+
+    from rollout_bus.lm.files import weights_root_problem
+
+    with contextlib.suppress(OSError):  # as the trainer does: the root may not exist yet on the shared filesystem
+        Path(config.weights_root).mkdir(parents=True, exist_ok=True)
+    problem = weights_root_problem(config.weights_root)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import os
 import socket
 import sys
@@ -29,6 +30,13 @@ OFFLOAD_TAGS: tuple[str, ...] = get_args(OffloadTag)
 
 
 ENGINE_API_KEY_ENV = "ROLLOUT_BUS_ENGINE_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class ConfigError(InvalidRequest):
@@ -63,7 +71,12 @@ class ControllerConfig:
     pools: list[str] = field(default_factory=list)
     """More pools, ``POLICY=NUM_ENGINES``: engines whose base weights are that full-weight policy's."""
     model_path: str = ""
-    engine_host: str = "127.0.0.1"
+    engine_host: str = ""
+    """Where launched engines listen; "" (auto): 127.0.0.1 when ``advertise_host`` is a loopback address
+    (everything on one host), else 0.0.0.0."""
+    advertise_host: str = ""
+    """The address engines register under, for executors and the controller on other hosts; "" (auto):
+    this host's address on the route to Redis (``events.connection.route_address``)."""
     engine_args: list[str] = field(default_factory=list)
     token_delay_ms: float = 0.0
     seed: int | None = None
@@ -108,6 +121,17 @@ class ControllerConfig:
     """Payloads older than this are deleted whatever their readers."""
     payload_roots: list[str] = field(default_factory=list)
     """Directories of shm and file payload stores the janitor may delete from."""
+
+    def engine_addresses(self) -> tuple[str, str]:
+        """(listen, advertise) of launched engines, the automatic ones resolved (see the fields)."""
+        from rollout_bus.events.connection import route_address  # not at import: --help loads no Redis client
+
+        advertise = self.advertise_host or route_address(self.redis_url)
+        listen = self.engine_host or ("127.0.0.1" if is_loopback(advertise) else "0.0.0.0")
+        if is_loopback(listen) and not is_loopback(advertise):
+            raise ConfigError(f"engines would listen on {listen} but register as {advertise}: other hosts could "
+                              "not reach them; give --engine-host 0.0.0.0 (or the advertised address)")
+        return listen, advertise
 
     @property
     def total_engines(self) -> int:

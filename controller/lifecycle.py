@@ -40,12 +40,16 @@ def adopted_engine_id(url: str) -> str:
     return f"adopted-{parts.hostname}-{parts.port}"
 
 
-def launch_spec(cfg: ControllerConfig, engine_id: str, port: int) -> LaunchSpec:
+def launch_spec(cfg: ControllerConfig, engine_id: str, port: int,
+                addresses: tuple[str, str] | None = None) -> LaunchSpec:
     """How to start ``engine_id``: engine ``i`` of the configuration (counted over every pool, in id
-    order) gets the GPUs from ``base_gpu_id + i * tp_size`` on."""
+    order) gets the GPUs from ``base_gpu_id + i * tp_size`` on. ``addresses``: (listen, advertise),
+    resolved from the configuration when not given."""
     order = sorted(cfg.expected_engines())
     index = order.index(engine_id) if engine_id in order else 0
-    return LaunchSpec(engine_id=engine_id, host=cfg.engine_host, port=port, model_path=cfg.model_path,
+    listen, advertise = addresses or cfg.engine_addresses()
+    return LaunchSpec(engine_id=engine_id, host=listen, advertise_host=advertise, port=port,
+                      model_path=cfg.model_path,
                       weight_version=cfg.initial_version, python=cfg.python, extra_args=tuple(cfg.engine_args),
                       token_delay_ms=cfg.token_delay_ms, seed=cfg.seed, api_key=cfg.engine_api_key,
                       enable_lora=cfg.enable_lora, max_loras_per_batch=cfg.max_loras_per_batch,
@@ -58,6 +62,7 @@ class Lifecycle:
         self.core = core
         self.backend = backend
         self.updater = updater
+        self._addresses: tuple[str, str] | None = None
 
     def new_handle(self, engine_id: str, url: str, *, managed: bool, state: EngineState = S.LAUNCHING,
                    process: ProcessHandle | None = None) -> EngineHandle:
@@ -100,7 +105,10 @@ class Lifecycle:
 
     # --- launching ---------------------------------------------------------------------------
     def _spawn_process(self, engine_id: str) -> tuple[ProcessHandle, str]:
-        spec = launch_spec(self.core.config, engine_id, free_port())
+        if self._addresses is None:  # resolved once: the route to Redis does not change under a controller
+            self._addresses = self.core.config.engine_addresses()
+            log.info("engines listen on %s and register as %s", *self._addresses)
+        spec = launch_spec(self.core.config, engine_id, free_port(), self._addresses)
         return launch(self.backend, spec, self.core.log_dir), spec.url
 
     async def launch(self, engine_id: str) -> EngineHandle:

@@ -387,7 +387,7 @@ class WeightUpdater:
             await self.core.bus.put_policy(record)
             await self.core.bus.weights_event(self.core.event(
                 WeightVersionServing, policy=policy, version=target.version,
-                engine_ids=sorted(h.engine_id for h in serving)))
+                engine_ids=sorted(h.engine_id for h in serving)), durable=True)
             self._served.setdefault(policy, set()).add(target.version)
             log.info("all %d serving engines run %s v%d", len(serving), policy, target.version)
         if not self._wake.setdefault(policy, asyncio.Event()).is_set():

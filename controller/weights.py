@@ -79,7 +79,8 @@ def verify(policy: str, version: int, uri: str, sha256: str, root: Path, referen
     try:
         resolved = raw.resolve(strict=True)
     except (FileNotFoundError, NotADirectoryError):
-        raise BadWeights(f"weights directory missing: {raw}") from None
+        raise BadWeights(f"weights directory missing on this host: {raw} (weights travel through a filesystem "
+                         "every host mounts at the same path: is the trainer's weights root mounted here?)") from None
     except OSError as exc:
         raise BadWeights(f"weights path unusable: {raw}: {exc}") from None
     if not resolved.is_relative_to(root):

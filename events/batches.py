@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +30,11 @@ from typing import Any
 
 import msgpack
 import redis
+from redis.exceptions import NoScriptError
 
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
-from rollout_bus.events.connection import Guard, as_str
-from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.connection import Durability, Guard, Redis, as_str, confirm_replicated
+from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
 from rollout_bus.events.names import Keys, check_name
 from rollout_bus.events.payload import make_store
 from rollout_bus.events.payload.base import PayloadStore, Reference, check_ref, make_ref
@@ -46,6 +48,8 @@ from rollout_bus.events.schema import encode as encode_event
 log = logging.getLogger(__name__)
 
 DEFAULT_PAYLOAD_TTL_S = 24 * 3600
+READER_HOSTS_TTL_S = 5.0
+"""How long a shm channel trusts what it read of the hosts its batches' readers are on."""
 
 # KEYS[1] dedupe key, KEYS[2] payload index, KEYS[3] payload stores; ARGV[1] ref, ARGV[2] locator.
 # Returns the existing entry id of a batch published before, else indexes the ref (time, place).
@@ -63,6 +67,8 @@ return false
 # ARGV[1] dedupe ttl s, ARGV[2] readers ttl s, ARGV[3] maxlen (0 = none), ARGV[4] ref,
 # ARGV[5..] field, value pairs. Returns {entry id, 1} when appended; on a repeat {existing id, 0},
 # with this attempt's ref unindexed and its keys in Redis deleted (the caller deletes other bytes).
+# An error when this attempt's payload keys are not all there (written to a primary that failed over
+# before its replica had them): no event ever points at bytes that are gone.
 _PUBLISH = """
 local prev = redis.call('GET', KEYS[2])
 if prev then
@@ -70,6 +76,9 @@ if prev then
   redis.call('HDEL', KEYS[6], ARGV[4])
   if #KEYS > 6 then redis.call('DEL', unpack(KEYS, 7)) end
   return {prev, 0}
+end
+if #KEYS > 6 and redis.call('EXISTS', unpack(KEYS, 7)) < #KEYS - 6 then
+  return redis.error_reply('PAYLOADLOST the payload of ' .. ARGV[4] .. ' is not in this Redis (a failover lost it)')
 end
 local id
 if tonumber(ARGV[3]) > 0 then
@@ -132,6 +141,7 @@ class BatchChannel:
         self.max_bytes = max_bytes
         self.guard = guard or Guard(client, name=f"batches {self.publisher.producer}")
         self._stores: dict[str, PayloadStore] = {self.store.name: self.store}
+        self._reader_hosts: dict[str, tuple[float, dict[str, str]]] = {}
         self._reserve = client.register_script(_RESERVE)
         self._publish = client.register_script(_PUBLISH)
         self._release = client.register_script(_RELEASE)
@@ -152,12 +162,13 @@ class BatchChannel:
         dedupe = self.keys.dedupe(stream, batch_id)
         # PayloadTooLarge before any I/O; the store hashes while it writes (see EncodedBatch.finish)
         encoded = encode(tensors, meta, max_bytes=self.max_bytes, defer_checksum=True)
-        locator = msgpack.packb(self.store.locator(), use_bin_type=True)
+        store = self._store_for(policy, stream)
+        locator = msgpack.packb(store.locator(), use_bin_type=True)
         prev = self.guard.call(lambda c: self._reserve(
             keys=[dedupe, self.keys.payload_index, self.keys.payload_stores], args=[ref, locator], client=c))
         if prev:
             return as_str(prev)
-        reference = self.store.put(ref, encoded, self.payload_ttl_s)
+        reference = store.put(ref, encoded, self.payload_ttl_s)
         event = BatchReady(producer=self.publisher.producer, policy=policy, batch_id=batch_id,
                            rollout_id=rollout_id, request_id=request_id,
                            n_samples=_n_samples(tensors) if n_samples is None else n_samples,
@@ -166,16 +177,65 @@ class BatchChannel:
         args: list[Any] = [self.publisher.dedupe_ttl_s, self.payload_ttl_s + 3600, maxlen, ref]
         for k, v in encode_event(event).items():
             args += [k, v]
-        inline = self.store.redis_keys(reference)
+        inline = store.redis_keys(reference)
         script_keys = [stream, dedupe, self.keys.payload_readers(ref), self.keys.registered_groups(stream),
                        self.keys.payload_index, self.keys.payload_stores, *inline]
-        entry_id, appended = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))
+        d = self.publisher.durability
+        if d.replicas == 0:
+            entry_id, appended = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))
+        else:  # a BatchReady survives a failover: acknowledged only once the replicas have it
+            def attempt() -> tuple[Any, int]:
+                return self.guard.call(lambda c: self._publish_and_wait(c, script_keys, args, d))
+            entry_id, appended = confirm_replicated(d, f"BatchReady {policy}/{batch_id}", attempt)
         if not appended:
             log.info("batch %s of %s was published by another attempt first; dropping this attempt's copy",
                      batch_id, policy)
             if not inline:
-                self.store.delete(reference)
+                store.delete(reference)
         return as_str(entry_id)
+
+    def _store_for(self, policy: str, stream: str) -> PayloadStore:
+        """This channel's store, unless it serves one host (shm) and a reader of ``stream`` is on another:
+        then the store's fallback (``shm?fallback=redis``), or ``InvalidRequest`` saying what to change."""
+        store = self.store
+        if not isinstance(store, ShmStore):
+            return store
+        now = time.monotonic()
+        cached = self._reader_hosts.get(stream)
+        if cached is None or now - cached[0] > READER_HOSTS_TTL_S:
+            def read(c: Redis) -> dict[str, str]:
+                pipe = c.pipeline(transaction=False)
+                pipe.smembers(self.keys.registered_groups(stream))
+                pipe.hgetall(self.keys.group_hosts(stream))
+                registered, hosts = pipe.execute()
+                return {as_str(g): as_str(h) for g, h in hosts.items() if g in registered}
+            cached = self._reader_hosts[stream] = (now, self.guard.call(read))
+        away = {group: host for group, host in cached[1].items() if host != store.host}
+        if not away:
+            return store
+        if store.fallback is not None:
+            self._stores.setdefault(store.fallback.name, store.fallback)
+            return store.fallback
+        raise InvalidRequest(
+            f"shm payload store on host {store.host!r}: {policy}'s batches are read on other hosts "
+            f"({', '.join(f'group {g} on {h!r}' for g, h in sorted(away.items()))}); shared memory serves one "
+            "host: use the redis or file store, or shm?fallback=redis to send such batches through Redis")
+
+    def _publish_and_wait(self, c: Redis, script_keys: list[Any], args: list[Any], d: Durability) -> tuple[Any, int]:
+        """The publish script and a ``WAIT`` behind it on one connection (WAIT counts what that one wrote)."""
+        for _ in range(2):
+            pipe = c.pipeline(transaction=False)
+            pipe.execute_command("EVALSHA", self._publish.sha, len(script_keys), *script_keys, *args)
+            pipe.execute_command("WAIT", d.replicas, d.timeout_ms)
+            reply, acks = pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError):  # e.g. a promoted replica: scripts are not replicated
+                self._publish.sha = c.script_load(self._publish.script)
+                continue
+            for r in (reply, acks):
+                if isinstance(r, Exception):
+                    raise r
+            return reply, int(acks)
+        raise NoScriptError("the publish script is missing right after it was loaded")
 
     # --- consuming ---------------------------------------------------------------------
     def fetch(self, event: BatchReady, *, verify: bool = True) -> Batch:

@@ -1,7 +1,7 @@
 """Connections to Redis and the boundary where driver errors become the project's own.
 
 ``connect`` builds a client from ``REDIS_URL`` (``redis://``, ``rediss://`` or
-``unix://``, with username and password). ``Guard.call`` runs one Redis operation; when the
+``unix://``, with username and password, or ``redis+sentinel://``: see ``SentinelURL``). ``Guard.call`` runs one Redis operation; when the
 server is unreachable it reconnects with bounded exponential backoff, logs once when the
 connection is lost and once when it is back, and raises ``BusUnavailable`` when the
 budget is spent. Any other driver error becomes ``RedisCommandError``. ``Lane`` is a hot
@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
+import redis.sentinel
 from hiredis import pack_command as _pack_command
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from rollout_bus.events.errors import BusUnavailable, RedisCommandError
+from rollout_bus.events.errors import BusUnavailable, InvalidRequest, RedisCommandError, ReplicationTimeout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,21 +54,253 @@ def connect(url: str | None = None, *, socket_timeout_s: float | None = 30.0, re
     ``retries`` > 0 lets redis-py send a command again after a connection error, for code the
     project does not guard itself (rq's worker); the project's own commands go through
     ``Guard``, which sees every lost reply only if nothing below it re-sends silently.
+
+    A ``redis+sentinel://`` url gives a client of the primary that the sentinels name; the
+    sentinels are asked once here (``SentinelURL.check``), so an unreachable Sentinel or an
+    unknown master name is a clear error at start, not an endless reconnect later.
     """
     target = redis_url(url)
-    tcp: dict[str, Any] = {} if target.startswith("unix://") else {"socket_keepalive": True}
     retry = (Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=retries) if retries > 0
              else Retry(NoBackoff(), retries=0))
-    return redis.Redis.from_url(
-        target,
+    common: dict[str, Any] = dict(
         decode_responses=False,
         socket_connect_timeout=5.0,
         socket_timeout=socket_timeout_s,
         health_check_interval=15,
-        **tcp,
         retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError] if retries > 0 else [],
     )
+    if SentinelURL.matches(target):
+        return SentinelURL.parse(target).connect(common)
+    tcp: dict[str, Any] = {} if target.startswith("unix://") else {"socket_keepalive": True}
+    return redis.Redis.from_url(target, **common, **tcp)
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_CHECK_S = 10.0
+"""How long ``connect`` keeps asking unreachable sentinels before it gives up (``BusUnavailable``)."""
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """``redis+sentinel://[user:password@]host:port[,host:port...]/<master name>[/<db>][?options]``.
+
+    The hosts are sentinels (port 26379 when left out); the user and password are those of the
+    primary and its replicas. Options: ``sentinel_username`` and ``sentinel_password`` when the
+    sentinels want their own, ``check_s`` (seconds ``connect`` waits for a reachable sentinel,
+    default 10). Example: ``redis+sentinel://h1:26379,h2:26379,h3:26379/mymaster/0``.
+    """
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+    check_s: float = SENTINEL_CHECK_S
+
+    @staticmethod
+    def matches(url: str) -> bool:
+        return url.startswith(SENTINEL_SCHEME + "://")
+
+    @classmethod
+    def parse(cls, url: str) -> SentinelURL:
+        shape = f"{SENTINEL_SCHEME}://host:port[,host:port...]/<master name>[/<db>]"
+        parts = urlsplit(url)
+        if parts.scheme != SENTINEL_SCHEME:
+            raise InvalidRequest(f"not a Sentinel url: {url!r} (expected {shape})")
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        username = password = None
+        if userinfo:
+            user, sep, pw = userinfo.partition(":")
+            username, password = (unquote(user) or None), (unquote(pw) if sep else None)
+        sentinels: list[tuple[str, int]] = []
+        for item in filter(None, hosts.split(",")):
+            host, sep, port = item.rpartition(":")
+            host, port = (host, port) if sep else (item, "26379")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise InvalidRequest(f"Sentinel address {item!r} in {_redact(url)!r} must be host:port ({shape})")
+            sentinels.append((host, int(port)))
+        if not sentinels:
+            raise InvalidRequest(f"{_redact(url)!r} names no sentinel ({shape})")
+        path = [unquote(p) for p in parts.path.split("/") if p]
+        if not path or len(path) > 2:
+            raise InvalidRequest(f"{_redact(url)!r} must name the master, and at most a db after it ({shape})")
+        if len(path) == 2 and not path[1].isdigit():
+            raise InvalidRequest(f"db {path[1]!r} in {_redact(url)!r} must be a number ({shape})")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        unknown = set(query) - {"sentinel_username", "sentinel_password", "check_s"}
+        if unknown:
+            raise InvalidRequest(f"{_redact(url)!r} has unknown options {sorted(unknown)}; "
+                                 "known: sentinel_username, sentinel_password, check_s")
+        try:
+            check_s = float(query.get("check_s", SENTINEL_CHECK_S))
+        except ValueError:
+            raise InvalidRequest(f"check_s={query['check_s']!r} in {_redact(url)!r} must be seconds") from None
+        return cls(tuple(sentinels), path[0], int(path[1]) if len(path) == 2 else 0, username, password,
+                   query.get("sentinel_username"), query.get("sentinel_password"), check_s)
+
+    def describe(self) -> str:
+        return f"master {self.master!r} of sentinels {','.join(f'{h}:{p}' for h, p in self.sentinels)}"
+
+    def sentinel(self, common: dict[str, Any]) -> redis.sentinel.Sentinel:
+        # each question to a sentinel is asked once: the caller (``check``, or the guard around a
+        # connection that looks the primary up) decides when to ask again
+        sentinel_kwargs = {"socket_connect_timeout": 2.0, "socket_timeout": 2.0, "retry": Retry(NoBackoff(), 0),
+                           "username": self.sentinel_username, "password": self.sentinel_password}
+        return redis.sentinel.Sentinel(list(self.sentinels), sentinel_kwargs=sentinel_kwargs,
+                                       socket_keepalive=True, **common)
+
+    def connect(self, common: dict[str, Any]) -> redis.Redis:
+        manager = self.sentinel(common)
+        self.check(manager)
+        return manager.master_for(self.master, redis_class=redis.Redis, connection_class=PrimaryConnection,
+                                  db=self.db, username=self.username, password=self.password)
+
+    def check(self, manager: redis.sentinel.Sentinel) -> None:
+        """Ask the sentinels for the master until one answers (``check_s``); an unknown name is refused at once."""
+        deadline = time.monotonic() + self.check_s
+        while True:
+            errors: list[str] = []
+            known: set[str] = set()
+            for node, (host, port) in zip(manager.sentinels, self.sentinels, strict=True):
+                try:
+                    masters = node.sentinel_masters()
+                except redis.AuthenticationError as exc:
+                    raise RedisCommandError(f"Sentinel {host}:{port} refused the credentials: {exc}") from None
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    errors.append(f"{host}:{port}: {exc}")
+                    continue
+                except redis.ResponseError as exc:  # e.g. a plain redis-server, not a sentinel
+                    raise InvalidRequest(f"{host}:{port} is not a Redis Sentinel ({exc}); "
+                                         f"a {SENTINEL_SCHEME}:// url names sentinels") from None
+                if self.master in masters:
+                    return
+                known.update(as_str(m) for m in masters)
+            if known or len(errors) < len(self.sentinels):
+                raise InvalidRequest(f"no Sentinel knows a master named {self.master!r} (they know: "
+                                     f"{sorted(known) or 'none'}): fix the name in REDIS_URL")
+            if time.monotonic() > deadline:
+                raise BusUnavailable(f"no Sentinel of {self.describe()} reachable within {self.check_s:g}s: "
+                                     + "; ".join(errors))
+            time.sleep(0.2)
+
+
+class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
+    """A connection to the primary the sentinels name, refused when the server says it is not one.
+
+    During a failover a sentinel that has not caught up may still name the old primary, back on its
+    port as a replica by then; a write there fails in ways redis-py does not take for a failover
+    (``NOSCRIPT`` before ``READONLY``). Asking ``HELLO`` for the role once per new connection turns that into a
+    connection error, which the guard retries after asking the sentinels again. A connection kept
+    out of the pool (``Lane``) that lost its socket asks the sentinels too, not the last address.
+    """
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:  # redis-py would reconnect to the last address here; ask the sentinels instead
+            self.connect()
+        super().send_packed_command(command, check_health)
+
+    def on_connect_check_health(self, check_health: bool = True) -> None:
+        super().on_connect_check_health(check_health=check_health)
+        if not self.connection_pool.is_master:
+            return
+        self.send_command("HELLO")  # no protocol version: nothing changes; every ACL user may (@connection)
+        reply = self.read_response()
+        info = dict(zip(reply[::2], reply[1::2], strict=True)) if isinstance(reply, list) else dict(reply or {})
+        role = as_str(info.get(b"role", info.get("role", b"?")))
+        if role != "master":
+            where = f"{self.host}:{self.port}"
+            self.disconnect()
+            raise redis.ConnectionError(f"{where} is not the primary (its role: {role}); "
+                                        "the sentinels are still failing over")
+
+
+def redis_host(url: str | None = None) -> tuple[str, int]:
+    """The host and port a url's first server is reached at (a Sentinel url: its first sentinel)."""
+    target = redis_url(url)
+    if SentinelURL.matches(target):
+        return SentinelURL.parse(target).sentinels[0]
+    if target.startswith("unix://"):
+        return "127.0.0.1", 6379
+    parts = urlsplit(target)
+    return parts.hostname or "127.0.0.1", parts.port or 6379
+
+
+def route_address(url: str | None = None) -> str:
+    """This host's address on the route to Redis: where other hosts that reach Redis can reach us.
+
+    No packet is sent (a UDP socket's ``connect`` only picks the route); 127.0.0.1 when Redis is local.
+    """
+    host, port = redis_host(url)
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect(infos[0][4])
+            return str(sock.getsockname()[0])
+    except OSError as exc:
+        raise BusUnavailable(f"no route from this host to Redis at {host}:{port} ({exc}): give the address other "
+                             "hosts reach this one at (--advertise-host)") from None
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+
+
+def is_sentinel_client(client: Any) -> bool:
+    return isinstance(getattr(client, "connection_pool", None), redis.sentinel.SentinelConnectionPool)
+
+
+@dataclass(frozen=True)
+class Durability:
+    """How a write that must survive a failover is acknowledged: ``WAIT replicas timeout_ms`` after it.
+
+    ``replicas`` 0: no ``WAIT`` (a single Redis). A ``WAIT`` that returns fewer replicas is tried
+    again (the writes are idempotent, so the retry adds nothing) up to ``attempts`` times in all,
+    then the writer gets ``ReplicationTimeout``: never an acknowledgement the replicas did not give.
+    """
+
+    replicas: int = 0
+    timeout_ms: int = 2000
+    attempts: int = 3
+
+
+def confirm_replicated(d: Durability, what: str, attempt: Callable[[], tuple[T, int]]) -> T:
+    """Run ``attempt`` (the write and its ``WAIT``, returning the result and the replicas that acked)
+    until ``d.replicas`` acknowledge it, at most ``d.attempts`` times; then ``ReplicationTimeout``."""
+    acks = 0
+    for i in range(d.attempts):
+        result, acks = attempt()
+        if acks >= d.replicas:
+            return result
+        log.warning("%s: WAIT %d %d: %d replica(s) acknowledged (try %d of %d)", what, d.replicas, d.timeout_ms,
+                    acks, i + 1, d.attempts)
+    raise ReplicationTimeout(
+        f"{what}: only {acks} of {d.replicas} replica(s) acknowledged the write within {d.timeout_ms} ms "
+        f"(WAIT, {d.attempts} tries): it is on the primary but a failover now could lose it; check the "
+        "replicas (INFO replication on the primary), or set ROLLOUT_BUS_WAIT_REPLICAS=0 to run without them")
+
+
+def durability(client: Any) -> Durability:
+    """From ``ROLLOUT_BUS_WAIT_REPLICAS`` / ``ROLLOUT_BUS_WAIT_TIMEOUT_MS`` / ``ROLLOUT_BUS_WAIT_ATTEMPTS``;
+    the replicas default to 1 for a Sentinel client (a replica is configured) and 0 otherwise."""
+    def env_int(name: str, default: int, low: int) -> int:
+        raw = os.environ.get(name)
+        if not raw:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise InvalidRequest(f"{name} must be a whole number, got {raw!r}") from None
+        if value < low:
+            raise InvalidRequest(f"{name} must be >= {low}, got {value}")
+        return value
+    return Durability(env_int("ROLLOUT_BUS_WAIT_REPLICAS", 1 if is_sentinel_client(client) else 0, 0),
+                      env_int("ROLLOUT_BUS_WAIT_TIMEOUT_MS", 2000, 1), env_int("ROLLOUT_BUS_WAIT_ATTEMPTS", 3, 1))
 
 
 @dataclass

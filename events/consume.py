@@ -382,6 +382,7 @@ def register_group(c: redis.Redis, keys: Keys, stream: str, group: str, start_id
     """Create ``group`` if needed and register it as a reader that ``stream`` must keep entries for."""
     created = create_group(c, stream, group, start_id)
     c.sadd(keys.registered_groups(stream), group)
+    c.hset(keys.group_hosts(stream), group, socket.gethostname())
     return created
 
 

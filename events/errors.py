@@ -38,6 +38,10 @@ class RedisCommandError(Failure):
     """Redis answered a command with an error."""
 
 
+class ReplicationTimeout(Failure):
+    """A write that must survive a failover was not acknowledged by enough replicas (``WAIT``) in time."""
+
+
 class Fenced(Failure):
     """A write carried a fencing token older than the current one: another controller took over."""
 

@@ -12,6 +12,9 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "default"
+REGISTRY_GENERATION = "#gen"
+"""A field of each registry hash counting its writes (never a record: no checked name starts with ``#``);
+a reader that holds a snapshot re-reads the records only when it changed."""
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -119,6 +122,10 @@ class Keys:
     def registered_groups(self, stream: str) -> str:
         """Set of consumer groups that must read every entry of ``stream`` (retention, payloads)."""
         return self._k("groups", self._local(stream))
+
+    def group_hosts(self, stream: str) -> str:
+        """Hash group -> the host its consumers run on (a same-host store, shm, checks it before a publish)."""
+        return self._k("groups", "hosts", self._local(stream))
 
     def group_beats(self, stream: str) -> str:
         """Sorted set group -> the time (ms, Redis clock) its registration lapses unless a consumer beats."""

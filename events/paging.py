@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import redis
 
 from rollout_bus.events.connection import Guard, as_str
-from rollout_bus.events.names import Keys, batch_stream_pattern
+from rollout_bus.events.names import REGISTRY_GENERATION, Keys, batch_stream_pattern
 
 
 def id_at(ms: int) -> str:
@@ -46,6 +46,8 @@ def discover_streams(client: redis.Redis, keys: Keys, *, guard: Guard | None = N
         found = [st for st in (*keys.event_streams(), keys.dead_letters) if c.exists(st)]
         batch = {as_str(raw) for raw in c.scan_iter(match=batch_stream_pattern(keys), count=1000, _type="stream")}
         for raw in c.hkeys(keys.policy_registry):
+            if as_str(raw) == REGISTRY_GENERATION:  # the hash's write counter, not a policy
+                continue
             candidate = keys.batch_stream(as_str(raw))
             if c.exists(candidate):
                 batch.add(candidate)

@@ -19,7 +19,16 @@ import redis
 from hiredis import pack_command
 from redis.exceptions import NoScriptError
 
-from rollout_bus.events.connection import Guard, Lane, as_str, pack, raise_errors
+from rollout_bus.events.connection import (
+    Durability,
+    Guard,
+    Lane,
+    as_str,
+    confirm_replicated,
+    durability,
+    pack,
+    raise_errors,
+)
 from rollout_bus.events.names import Keys
 from rollout_bus.events.schema import FIELD, Event, Producer, encode_bytes
 
@@ -72,6 +81,10 @@ class Publisher:
     ``EVALSHA`` of the publish script, loaded again if the server lost its script cache
     (e.g. after a restart). The commands go out already packed on a connection the
     publisher keeps (``events.connection.Lane``); ``close`` gives it back to the pool.
+
+    A ``durable`` publish is acknowledged only once ``WAIT`` says enough replicas have it
+    (``events.connection.durability``: 1 with Sentinel, none with a single Redis): the ``WAIT``
+    goes out on the same connection, packed behind the ``EVALSHA``, so it costs no extra round trip.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, producer: Producer, *,
@@ -86,15 +99,19 @@ class Publisher:
         self._script = client.register_script(_PUBLISH)
         self._lane = Lane(client)
         self._dedupe_prefix: dict[str, str] = {}
+        self.durability = durability(client)
 
     def publish(self, stream: str, event: Event, *, idempotency_key: str | None = None,
-                maxlen: int = 0) -> str:
-        """Append ``event``; the idempotency key defaults to the event id, so a retry is safe."""
+                maxlen: int = 0, durable: bool = False) -> str:
+        """Append ``event``; the idempotency key defaults to the event id, so a retry is safe.
+
+        ``durable``: return only once the replicas acknowledged it (``ReplicationTimeout`` if they do not).
+        """
         raw = encode_bytes(event)
         dedupe_key = self._dedupe_key(stream, idempotency_key or event.event_id)
         ttl_s = self.dedupe_ttl_s if idempotency_key else self.retry_ttl_s
-        if not self._lane.direct:
-            return self._run([((stream, dedupe_key), (ttl_s, maxlen, FIELD, raw))])[0]
+        if not self._lane.direct or (durable and self.durability.replicas):
+            return self._run([((stream, dedupe_key), (ttl_s, maxlen, FIELD, raw))], durable)[0]
         # the hot path: one packed EVALSHA on the kept connection, no per-call lists or closures
         lane = self._lane
         script = self._script
@@ -114,7 +131,8 @@ class Publisher:
         return reply.decode() if isinstance(reply, bytes) else str(reply)
 
     def publish_many(self, stream: str, events: Iterable[Event], *,
-                     idempotency_keys: Sequence[str | None] | None = None, maxlen: int = 0) -> list[str]:
+                     idempotency_keys: Sequence[str | None] | None = None, maxlen: int = 0,
+                     durable: bool = False) -> list[str]:
         """Append ``events`` in order, in one round trip; each is deduplicated as by ``publish``.
 
         Returns the entry ids in the order of ``events`` (an event whose key was seen before
@@ -130,16 +148,16 @@ class Publisher:
             key = idempotency_keys[i] if idempotency_keys is not None else None
             calls.append(((stream, self._dedupe_key(stream, key or event.event_id)),
                           (self.dedupe_ttl_s if key else self.retry_ttl_s, maxlen, FIELD, encode_bytes(event))))
-        return self._run(calls) if calls else []
+        return self._run(calls, durable) if calls else []
 
     def publish_fields(self, stream: str, fields: dict[bytes, bytes], *, idempotency_key: str | None = None,
-                       maxlen: int = 0) -> str:
+                       maxlen: int = 0, durable: bool = False) -> str:
         # no empty key name when there is no dedupe key: every key a script names must hash to one slot
         script_keys = [stream, self._dedupe_key(stream, idempotency_key)] if idempotency_key else [stream]
         args: list[Any] = [self.dedupe_ttl_s, maxlen]
         for k, v in fields.items():
             args += [k, v]
-        return self._run([(script_keys, args)])[0]
+        return self._run([(script_keys, args)], durable)[0]
 
     def close(self) -> None:
         """Give the publisher's connection back to the client's pool (a later publish takes one again)."""
@@ -151,24 +169,42 @@ class Publisher:
             prefix = self._dedupe_prefix[stream] = self.keys.dedupe(stream, "")
         return prefix + key
 
-    def _run(self, calls: list[_Call]) -> list[str]:
-        replies = self.guard.call(lambda c: self._evalsha(c, calls))
-        return [as_str(r) for r in replies]
+    def _run(self, calls: list[_Call], durable: bool = False) -> list[str]:
+        d = self.durability
+        if not durable or d.replicas == 0:
+            return [as_str(r) for r in self.guard.call(lambda c: self._evalsha(c, calls, None))]
 
-    def _evalsha(self, c: redis.Redis, calls: list[_Call]) -> list[Any]:
+        def attempt() -> tuple[list[Any], int]:
+            replies = self.guard.call(lambda c: self._evalsha(c, calls, d))
+            return replies[:-1], int(replies[-1])
+        stream = as_str(calls[0][0][0])
+        return [as_str(r) for r in confirm_replicated(d, f"publish to {stream}", attempt)]
+
+    def _evalsha(self, c: redis.Redis, calls: list[_Call], wait: Durability | None) -> list[Any]:
+        """The replies of ``calls``, and with ``wait`` the replicas that acknowledged them last."""
         if not self._lane.direct:  # e.g. a single-connection client: its own commands, one by one
-            return [self._evalsha_client(c, script_keys, args) for script_keys, args in calls]
-        replies = self._send(calls)
+            replies = [self._evalsha_client(c, script_keys, args) for script_keys, args in calls]
+            return replies + [c.execute_command("WAIT", wait.replicas, wait.timeout_ms)] if wait else replies
+        replies = self._send(calls, wait)
+        acks = replies.pop() if wait else None
         if any(isinstance(r, NoScriptError) for r in replies):  # a restarted or flushed server: empty cache
             self._script.sha = c.script_load(self._script.script)
             redo = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-            for i, reply in zip(redo, self._send([calls[i] for i in redo]), strict=True):
+            again = self._send([calls[i] for i in redo], wait)
+            acks = again.pop() if wait else None  # the WAIT behind the redo covers everything before it
+            for i, reply in zip(redo, again, strict=True):
                 replies[i] = reply
-        return raise_errors(replies)
+        raise_errors(replies)
+        if wait:
+            raise_errors([acks])
+            replies.append(acks)
+        return replies
 
-    def _send(self, calls: list[_Call]) -> list[Any]:
+    def _send(self, calls: list[_Call], wait: Durability | None = None) -> list[Any]:
         sha = self._script.sha
         packed = b"".join(pack("EVALSHA", sha, len(script_keys), *script_keys, *args) for script_keys, args in calls)
+        if wait is not None:  # on the same connection, behind the writes: WAIT counts the replicas that have them
+            return self._lane.execute(packed + pack("WAIT", wait.replicas, wait.timeout_ms), len(calls) + 1)
         return self._lane.execute(packed, len(calls))
 
     def _evalsha_client(self, c: redis.Redis, script_keys: Sequence[Any], args: Sequence[Any]) -> Any:

@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,7 +25,7 @@ import redis
 
 from rollout_bus.events.connection import Guard
 from rollout_bus.events.errors import Fenced, RedisCommandError
-from rollout_bus.events.names import Keys
+from rollout_bus.events.names import REGISTRY_GENERATION, Keys
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -50,6 +50,8 @@ def parse_adapter_name(name: str) -> tuple[str, int] | None:
 
 
 FENCED = "FENCED"
+GENERATION = REGISTRY_GENERATION
+_GENERATION_BYTES = GENERATION.encode()
 # KEYS[1] fencing counter, KEYS[2] hash; ARGV[1] token, ARGV[2] 'set' or 'del', ARGV[3..] fields (and values).
 _FENCED_WRITE = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -57,10 +59,14 @@ if current > tonumber(ARGV[1]) then
   return redis.error_reply('FENCED token ' .. ARGV[1] .. ' is older than ' .. current ..
                            ': another controller holds the lease')
 end
+local n
 if ARGV[2] == 'del' then
-  return redis.call('HDEL', KEYS[2], unpack(ARGV, 3))
+  n = redis.call('HDEL', KEYS[2], unpack(ARGV, 3))
+else
+  n = redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 end
-return redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+redis.call('HINCRBY', KEYS[2], '#gen', 1)
+return n
 """
 
 
@@ -159,9 +165,38 @@ class Registry:
         record.updated_ms = time.time_ns() // 1_000_000
         self._put(self.keys.engine_registry, record.engine_id, record.pack(), pipe)
 
+    def put_engines(self, records: Sequence[EngineRecord]) -> None:
+        """Write several records (stamped now) with one command: one ``HSET`` of every field, fenced as one."""
+        if not records:
+            return
+        now_ms = time.time_ns() // 1_000_000
+        pairs: list[Any] = []
+        for record in records:
+            record.updated_ms = now_ms
+            pairs += [record.engine_id, record.pack()]
+        if self._fenced is not None:
+            self._run_fenced(self.keys.engine_registry, "set", pairs, None)
+        else:
+            def send(c: Any) -> None:
+                pipe = c.pipeline(transaction=False)
+                pipe.execute_command("HSET", self.keys.engine_registry, *pairs)
+                pipe.hincrby(self.keys.engine_registry, GENERATION, 1)
+                pipe.execute()
+            self.guard.call(send)
+
+    def engines_generation(self) -> int:
+        """How many writes the engine records have seen (one ``HGET``): unchanged means no record changed."""
+        raw = self.guard.call(lambda c: c.hget(self.keys.engine_registry, GENERATION))
+        return int(raw or 0)
+
     def remove_engine(self, engine_id: str) -> None:
         if self._fenced is None:
-            self.guard.call(lambda c: c.hdel(self.keys.engine_registry, engine_id))
+            def send(c: Any) -> None:
+                pipe = c.pipeline(transaction=False)
+                pipe.hdel(self.keys.engine_registry, engine_id)
+                pipe.hincrby(self.keys.engine_registry, GENERATION, 1)
+                pipe.execute()
+            self.guard.call(send)
         else:
             self._run_fenced(self.keys.engine_registry, "del", [engine_id], None)
 
@@ -187,8 +222,14 @@ class Registry:
             self._run_fenced(key, "set", [name, packed], pipe)
         elif pipe is not None:
             pipe.hset(key, name, packed)
+            pipe.hincrby(key, GENERATION, 1)
         else:
-            self.guard.call(lambda c: c.hset(key, name, packed))
+            def send(c: Any) -> None:
+                p = c.pipeline(transaction=False)
+                p.hset(key, name, packed)
+                p.hincrby(key, GENERATION, 1)
+                p.execute()
+            self.guard.call(send)
 
     def _run_fenced(self, key: str, op: str, args: list[Any], pipe: Any) -> None:
         assert self._fenced is not None
@@ -205,6 +246,8 @@ class Registry:
         """Every readable record of the hash ``key``; an unreadable one is skipped with a warning."""
         raw: dict[bytes, bytes] = self.guard.call(lambda c: c.hgetall(key))
         for name, value in raw.items():
+            if name == _GENERATION_BYTES:
+                continue
             try:
                 yield unpack(value)
             except Exception as exc:  # a record written by another version, or damaged: skip, never crash readers

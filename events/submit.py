@@ -21,7 +21,7 @@ from rq.job import Callback, Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from rollout_bus.events.connection import Guard, Redis
-from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.errors import BusUnavailable, InvalidRequest
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import Registry
@@ -72,14 +72,20 @@ class RolloutSubmitter:
         self.guard = Guard(client, name=f"submitter {self.producer}")
         self._queues = {name: rq_queue(client, name) for name in (keys.rollout_queue, keys.eval_queue)}
 
-    def known_policies(self) -> set[str]:
+    def known_policies(self, wanted: str | None = None) -> set[str]:
+        """Policies a request may name. With ``wanted``: the policy records, and only when ``wanted`` has
+        none, the engines' versions too (a submit reads one small hash, not every engine record)."""
         if self.config.known_policies is not None:
             return set(self.config.known_policies)
+        if wanted is not None:
+            policies = set(self.registry.policies())
+            if wanted in policies:
+                return policies
         return registry_policies(self.registry)
 
     def submit(self, request: RolloutRequest) -> Job:
         """Queue ``request`` (``InvalidRequest`` if it is not valid); a repeat returns the existing job."""
-        request.validate(self.known_policies())
+        request.validate(self.known_policies(request.policy))
         queue = self._queues[queue_name(self.keys, request.eval)]
 
         def enqueue(_: Redis) -> Job:  # a retry after a lost reply finds the job there: DuplicateJobError
@@ -94,13 +100,22 @@ class RolloutSubmitter:
             except DuplicateJobError:
                 log.info("request %s is already queued: not enqueued again", request.request_id)
                 return Job.fetch(request.request_id, connection=self.client, serializer=JSONSerializer)
-        job = self.guard.call(enqueue)
-        self.publisher.publish(self.keys.rollout_stream, RolloutRequested(
+        event = RolloutRequested(
             producer=self.producer, policy=request.policy, rollout_id=request.rollout_id,
             request_id=request.request_id, n_groups=request.n_groups,
-            n_samples_per_group=request.n_samples_per_group, eval=request.eval),
-            idempotency_key=request.request_id)
-        return job
+            n_samples_per_group=request.n_samples_per_group, eval=request.eval)
+        durable = self.publisher.durability.replicas > 0
+        for _ in range(3):
+            job = self.guard.call(enqueue)
+            # With replicas, the event's WAIT also covers the job written before it (replication is one
+            # ordered stream); a failover between the two could still have lost the job on the old
+            # primary, so it is looked for once more after the WAIT, and enqueued again if gone.
+            self.publisher.publish(self.keys.rollout_stream, event, idempotency_key=request.request_id,
+                                   durable=durable)
+            if not durable or self.guard.call(lambda c, key=job.key: c.exists(key)):  # type: ignore[misc]
+                return job
+            log.warning("request %s: its rq job was lost in a failover; enqueueing it again", request.request_id)
+        raise BusUnavailable(f"request {request.request_id}: its rq job was lost to failovers three times")
 
     def _timeout_s(self, request: RolloutRequest) -> int:
         remaining = request.remaining_s()

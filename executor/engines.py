@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class RouterConfig:
     refresh_s: float = 0.5
-    """How old the registry snapshot may get before a call re-reads it."""
+    """How often a call asks whether the registry changed (its generation) and re-reads it if so."""
+    max_age_s: float = 10.0
+    """The snapshot is re-read at least this often, changed or not."""
     cooldown_s: float = 2.0
     """How long an engine that failed a call is skipped."""
     wait_poll_s: float = 0.2
@@ -90,17 +92,25 @@ class EngineRouter:
         self._cooling: dict[str, float] = {}
         self._records: list[EngineRecord] = []
         self._read_at = float("-inf")
+        self._checked_at = float("-inf")
+        self._generation = -1
         self._lock = asyncio.Lock()
         self._clients: dict[str, EngineClient] = {}
         self.starved_since: dict[str, float] = {}
         """Per policy: since when calls wait because no engine serves it (cleared when one does)."""
 
     async def snapshot(self, *, force: bool = False) -> list[EngineRecord]:
+        """The engine records, re-read only when the registry's generation moved (one ``HGET`` every
+        ``refresh_s``; every record only after a write), or at least every ``max_age_s``."""
         async with self._lock:
-            if force or time.monotonic() - self._read_at > self.config.refresh_s:
-                records = await asyncio.to_thread(self.registry.engines)
-                self._records = list(records.values())
-                self._read_at = time.monotonic()
+            now = time.monotonic()
+            if force or now - self._checked_at > self.config.refresh_s:
+                self._checked_at = now
+                generation = await asyncio.to_thread(self.registry.engines_generation)
+                if force or generation != self._generation or now - self._read_at > self.config.max_age_s:
+                    records = await asyncio.to_thread(self.registry.engines)
+                    self._records = list(records.values())
+                    self._read_at, self._generation = now, generation
         return self._records
 
     def choose(self, records: Sequence[EngineRecord], policy: str, avoid: set[str]) -> EngineRecord | None:

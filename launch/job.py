@@ -41,8 +41,12 @@ class RunHandle:
     url: str
 
 
-def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None = None) -> RunResult:
-    """Run the whole system for ``config``; stops everything it started before it returns or raises."""
+def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None = None,
+            place: Callable[[str], list[str]] | None = None) -> RunResult:
+    """Run the whole system for ``config``; stops everything it started before it returns or raises.
+
+    ``place``: a command prefix per role name (``controller``, ``executor-0``, ``trainer-p0``...) that
+    runs it on another host or in a network namespace (see ``launch.procs.ProcessSet.place``)."""
     from rollout_bus.events.connection import connect, redis_url
     from rollout_bus.events.embedded import private_redis
     from rollout_bus.events.names import Keys
@@ -65,7 +69,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         server = private_redis()
         url = server.url
     url = redis_url(url)
-    procs = ProcessSet(out / "logs", env={"ROLLOUT_BUS_NAMESPACE": namespace, "REDIS_URL": url})
+    procs = ProcessSet(out / "logs", env={"ROLLOUT_BUS_NAMESPACE": namespace, "REDIS_URL": url}, place=place)
     service = RestartPolicy(budget=config.restart_budget)
     client = connect(url)
     policies = config.policies()

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +90,9 @@ class ProcessSet:
     children: list[Child] = field(default_factory=list)
     extra_pids: dict[int, str] = field(default_factory=dict)
     """Processes our children started (engines), stopped last."""
+    place: Callable[[str], list[str]] | None = None
+    """A command prefix per child name, to run a role elsewhere (``ip netns exec``, ``ssh host``); the
+    prefix must exec the command, so the pid stays the role's own."""
 
     def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None, *,
               restart: RestartPolicy | None = None) -> Child:
@@ -99,15 +102,19 @@ class ProcessSet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         full_env = dict(os.environ, **self.env, **(env or {}))
-        child = Child(name, self._spawn(list(args), full_env, log_path), log_path, list(args), full_env, restart)
+        child = Child(name, self._spawn(self._prefix(name), list(args), full_env, log_path), log_path, list(args),
+                      full_env, restart)
         self.children.append(child)
         log.debug("started %s (pid %d): %s", name, child.pid, " ".join(args))
         return child
 
+    def _prefix(self, name: str) -> list[str]:
+        return self.place(name) if self.place is not None else []
+
     @staticmethod
-    def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    def _spawn(prefix: list[str], args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
         with log_path.open("ab") as out:
-            return subprocess.Popen([sys.executable, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+            return subprocess.Popen([*prefix, sys.executable, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
 
     def supervise(self, now: float | None = None) -> list[Child]:
@@ -136,7 +143,7 @@ class ProcessSet:
                 with child.log_path.open("ab") as out:
                     out.write(f"--- restarted by the run (restart {child.restarts}) after exit status "
                               f"{child.exits[-1]} ---\n".encode())
-                child.proc = self._spawn(child.args, child.env, child.log_path)
+                child.proc = self._spawn(self._prefix(child.name), child.args, child.env, child.log_path)
                 restarted.append(child)
         return restarted
 

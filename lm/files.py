@@ -387,3 +387,23 @@ def _check_member_name(name: str) -> None:
     if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
         raise WeightsError(f"file name {name!r} in a weights directory must be a plain file name")
 
+
+
+def weights_root_problem(root: str) -> str | None:
+    """Why this host cannot use ``root`` as the weights root (None: it can).
+
+    Weights travel between hosts through a filesystem every host mounts at the same path (NFS, a
+    shared volume): the trainer writes a version directory there, the controller checks it and the
+    engines load it. A host that does not see the directory cannot take part.
+    """
+    import socket
+
+    path = Path(root)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        return (f"weights root {root!r} {what} on host {socket.gethostname()!r}: weights travel through a "
+                "filesystem every host mounts at the same path (the trainer's, the controller's and the engines' "
+                "hosts); mount it here, or create it on the shared filesystem")
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"weights root {root!r} is not readable on host {socket.gethostname()!r}: check its permissions"
+    return None

@@ -11,11 +11,13 @@ after every step is what a restart resumes from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +180,13 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
         config = trainer_config(ns)
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
+    from rollout_bus.lm.files import weights_root_problem
+
+    with contextlib.suppress(OSError):  # the trainer writes the versions: it may make the root (shared filesystem)
+        Path(config.publish.weights_root).mkdir(parents=True, exist_ok=True)
+    problem = weights_root_problem(config.publish.weights_root)
+    if problem is not None:
+        raise SystemExit(problem)
 
     from rollout_bus.events.connection import connect
     from rollout_bus.events.metrics import serve_metrics

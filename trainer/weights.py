@@ -130,7 +130,7 @@ class WeightPublisher:
         event = WeightsPublished(producer=self.publisher.producer, policy=self.policy, version=version,
                                  uri=uri, sha256=digest)
         entry_id = self.publisher.publish(self.keys.weight_stream, event,
-                                          idempotency_key=f"weights.{self.policy}.{version}")
+                                          idempotency_key=f"weights.{self.policy}.{version}", durable=True)
         log.debug("published %s v%d (%s)", self.policy, version, entry_id)
         self._published.append(version)
         self._prune()

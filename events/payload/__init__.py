@@ -1,7 +1,7 @@
 """Claim-check payload stores, selected by a short spec.
 
 Specs: ``redis`` (default; options ``chunk_kib``, ``window``, ``raw``), ``shm`` or
-``shm:/dir`` (options ``pool_mib``, ``reads=private|shared``), ``file:/shared/dir``. Options follow ``?`` as
+``shm:/dir`` (options ``pool_mib``, ``reads=private|shared``, ``fallback=redis``), ``file:/shared/dir``. Options follow ``?`` as
 ``name=value`` pairs joined by ``&``, e.g. ``redis?chunk_kib=512`` or ``shm?pool_mib=4096``.
 """
 
@@ -24,7 +24,7 @@ __all__ = ["FileStore", "PayloadBuffer", "PayloadStore", "RedisStore", "Referenc
            "check_ref", "make_ref", "make_store"]
 
 StoreKind = Literal["redis", "shm", "file"]
-_OPTIONS: dict[str, set[str]] = {"redis": {"chunk_kib", "window", "raw"}, "shm": {"pool_mib", "reads"},
+_OPTIONS: dict[str, set[str]] = {"redis": {"chunk_kib", "window", "raw"}, "shm": {"pool_mib", "reads", "fallback"},
                                  "file": set()}
 
 
@@ -74,7 +74,14 @@ def make_store(spec: str | StoreSpec, client: redis.Redis, keys: Keys) -> Payloa
         if reads not in ("private", "shared"):
             raise InvalidRequest(f"shm option reads={reads!r}: use reads=private (copy-on-write, the default) "
                                  "or reads=shared (tensors alias the segment)")
-        return ShmStore(keys, s.path or DEFAULT_ROOT, pool_bytes=s._int("pool_mib", 2048) << 20,
-                        reads=cast(Literal["private", "shared"], reads))
+        fallback = s.options.get("fallback")
+        if fallback not in (None, "redis"):
+            raise InvalidRequest(f"shm option fallback={fallback!r}: the only fallback is redis "
+                                 "(for batches whose readers are on another host)")
+        store = ShmStore(keys, s.path or DEFAULT_ROOT, pool_bytes=s._int("pool_mib", 2048) << 20,
+                         reads=cast(Literal["private", "shared"], reads))
+        if fallback == "redis":
+            store.fallback = RedisStore(client, keys)
+        return store
     assert s.path is not None
     return FileStore(s.path, keys)

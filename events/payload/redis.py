@@ -20,6 +20,7 @@ import numpy as np
 import redis
 
 from rollout_bus.events.batch import Buffer, EncodedBatch
+from rollout_bus.events.connection import Guard, is_sentinel_client
 from rollout_bus.events.errors import BusUnavailable, DecodeError, PayloadMissing, RedisCommandError
 from rollout_bus.events.names import Keys
 from rollout_bus.events.payload.base import PayloadBuffer, PayloadStore, Reference
@@ -67,10 +68,12 @@ class RedisStore(PayloadStore):
         self.keys = keys
         self.chunk_bytes = chunk_bytes
         self.window = max(1, window)
-        if raw is None:
-            raw = not type(client).__module__.startswith("fakeredis")
+        if raw is None:  # a Sentinel client has no fixed address: its connections ask the sentinels
+            raw = not type(client).__module__.startswith("fakeredis") and (address is not None
+                                                                          or not is_sentinel_client(client))
         self._conn = RespConnection(address or Address.from_client(client)) if raw else None
         self._lock = threading.Lock()
+        self._guard = Guard(client, name="redis payload store")
 
     # --- interface ---------------------------------------------------------------------
     def put(self, ref: str, batch: EncodedBatch, ttl_s: int) -> Reference:
@@ -78,10 +81,14 @@ class RedisStore(PayloadStore):
         names = [self.keys.payload_chunk(ref, i) for i in range(len(chunks))]
         if self._conn is None:
             batch.finish()
-            pipe = self.client.pipeline(transaction=False)
-            for name, parts in zip(names, chunks, strict=True):
-                pipe.set(name, b"".join(parts), ex=ttl_s)
-            self._call(pipe.execute)
+            values = [b"".join(parts) for parts in chunks]
+
+            def write(c: redis.Redis) -> Any:  # a fresh pipeline per try: a failed execute empties it
+                pipe = c.pipeline(transaction=False)
+                for name, value in zip(names, values, strict=True):
+                    pipe.set(name, value, ex=ttl_s)
+                return pipe.execute()
+            self._call(write)
         else:
             def frames(i: int) -> list[bytes | memoryview]:
                 size = sum(p.nbytes for p in chunks[i])
@@ -114,7 +121,7 @@ class RedisStore(PayloadStore):
         out = np.empty(nbytes, dtype=np.uint8)  # numpy asks for huge pages: cheap page faults
         view = out.data
         if self._conn is None:
-            values = self._call(lambda: self.client.mget(names))
+            values = self._call(lambda c: c.mget(names))
             if any(v is None for v in values):
                 raise self._missing(ref)
             pos = 0
@@ -131,15 +138,17 @@ class RedisStore(PayloadStore):
         ref = self._ref(reference)
         if "chunks" in reference:
             names = self._layout(reference)[3]
-            self._call(lambda: self.client.delete(*names))
+            self._call(lambda c: c.delete(*names))
             return
         start = 0  # chunk count unknown (a reference rebuilt by ``delete_expired``): delete until one is missing
         while True:
             names = [self.keys.payload_chunk(ref, i) for i in range(start, start + 64)]
-            pipe = self.client.pipeline(transaction=False)
-            for name in names:
-                pipe.delete(name)
-            removed = self._call(pipe.execute)
+            def remove(c: redis.Redis, names: list[str] = names) -> Any:
+                pipe = c.pipeline(transaction=False)
+                for name in names:
+                    pipe.delete(name)
+                return pipe.execute()
+            removed = self._call(remove)
             if not all(removed):
                 return
             start += 64
@@ -198,14 +207,9 @@ class RedisStore(PayloadStore):
                     log.warning("redis payload store: connection lost (%s); retrying once", exc)
             raise AssertionError("unreachable")
 
-    @staticmethod
-    def _call(fn: Any) -> Any:
-        try:
-            return fn()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BusUnavailable(f"redis payload store: {exc}") from None
-        except redis.RedisError as exc:
-            raise RedisCommandError(f"{type(exc).__name__}: {exc}") from None
+    def _call(self, fn: Any) -> Any:
+        """``fn(client)`` through the guard: a lost connection (a restart, a Sentinel failover) is retried."""
+        return self._guard.call(fn)
 
     @staticmethod
     def _missing(ref: str) -> PayloadMissing:

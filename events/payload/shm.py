@@ -40,7 +40,7 @@ import numpy as np
 from rollout_bus.events.batch import EncodedBatch
 from rollout_bus.events.errors import DecodeError, PayloadMissing
 from rollout_bus.events.names import Keys
-from rollout_bus.events.payload.base import PayloadBuffer, Reference
+from rollout_bus.events.payload.base import PayloadBuffer, PayloadStore, Reference
 from rollout_bus.events.payload.file import FileStore
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class ShmStore(FileStore):
         self.pool_bytes = pool_bytes
         self.reads = reads
         self.host = socket.gethostname()
+        self.fallback: PayloadStore | None = None
+        """Where a batch goes when one of its readers is on another host (``shm?fallback=redis``)."""
         self._maps: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
         self._lock = threading.RLock()  # guards the mapping cache
 

@@ -71,3 +71,33 @@ def test_engine_time_counts_overlapping_calls_once() -> None:
             time.sleep(0.02)
         time.sleep(0.02)
     assert 0.035 < timer.busy_s < 0.2 and timer.calls == 2
+
+
+def test_the_router_rereads_the_engine_records_only_after_a_registry_write(fake_client: fakeredis.FakeRedis,
+                                                                           keys: Keys) -> None:
+    import asyncio
+
+    from rollout_bus.executor.engines import RouterConfig
+
+    reads = []
+
+    class Counting(Registry):
+        def engines(self) -> dict[str, EngineRecord]:
+            reads.append(1)
+            return super().engines()
+
+    registry = Counting(fake_client, keys)
+    registry.put_engines([record("a"), record("b")])
+    router = EngineRouter(registry, RouterConfig(refresh_s=0.0, max_age_s=60.0))
+
+    async def snapshots(n: int) -> list[str]:
+        out: list[str] = []
+        for _ in range(n):
+            out = sorted(r.engine_id for r in await router.snapshot())
+        return out
+
+    assert asyncio.run(snapshots(5)) == ["a", "b"] and len(reads) == 1  # unchanged: one read, then HGETs only
+    registry.put_engine(record("c"))
+    assert asyncio.run(snapshots(5)) == ["a", "b", "c"] and len(reads) == 2  # a write: read once more
+    registry.remove_engine("a")
+    assert asyncio.run(snapshots(1)) == ["b", "c"] and len(reads) == 3
