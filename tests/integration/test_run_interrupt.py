@@ -92,9 +92,6 @@ def test_signals_during_the_stop_of_an_interrupted_run_leave_no_process_behind(t
         if run.poll() is None:
             os.kill(run.pid, signal.SIGKILL)
             run.wait(10)
-    assert storm > 2, f"the run exited before more signals reached it ({storm}): nothing was tested\n{output}"
-    # 130 or 143 from the run itself; -SIGTERM/-SIGINT when a signal lands as the interpreter exits
-    assert run.returncode in (130, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGINT), output
     deadline = time.monotonic() + 15
     while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -102,3 +99,6 @@ def test_signals_during_the_stop_of_an_interrupted_run_leave_no_process_behind(t
     for pid in left:  # leave the machine clean even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert not left, f"{len(left)} of the run's {len(started)} processes outlived it: {left}\n{output[-3000:]}"
+    assert storm > 2, f"the run exited before more signals reached it ({storm}): nothing was tested\n{output}"
+    # 130 or 143 from the run itself; -SIGTERM/-SIGINT when a signal lands as the interpreter exits
+    assert run.returncode in (130, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGINT), output
