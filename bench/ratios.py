@@ -4,7 +4,7 @@ Each row is the project against the fair baseline of its bench, measured side by
 same run (interleaved, medians), with the target, the verdict and the 1-minute load average
 when the row's bench ran. No verdict is given for a row whose load average was above 1: other
 work on the machine may have decided it. The configurations are smaller than each bench's
-defaults (fewer events, rounds, steps) so that the whole table takes about 15 minutes on a
+defaults (fewer events, rounds, steps) so that the whole table takes about 5 minutes on a
 2-core machine; each bench's own command gives tighter figures.
 
     python bench/ratios.py [--skip modes,executors] [--quick]
