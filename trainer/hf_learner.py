@@ -12,7 +12,9 @@ The same loss as the tiny-LM learner (``trainer.grpo.grpo_loss``) on any
 - an optimiser step's samples go through in micro-batches of ``micro_batch_size`` rows,
   each trimmed to its own longest row, and their gradients accumulate: each micro-batch's
   token-mean loss is weighted by its share of the step's response tokens, so the summed
-  gradient is the full batch's.
+  gradient is the full batch's;
+- the policy's entropy (of ``softmax(logits / T)``) at each response token is reported as a
+  metric, and enters the loss (with its gradient) only when ``entropy_coef`` is set.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class HFLearner:
             model.config.use_cache = False
         self.model = model
         self.optim_config = optim
-        self.loss_config = LossConfig(tis_cap=loss.tis_cap, ppo_clip=loss.ppo_clip)
+        self.loss_config = LossConfig(tis_cap=loss.tis_cap, ppo_clip=loss.ppo_clip, entropy_coef=loss.entropy_coef)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no parameter that requires a gradient")
@@ -139,6 +141,13 @@ class HFLearner:
 
     def _logprobs(self, lay: Layout, chunk: _Chunk, temperature: float) -> Tensor:
         """``(rows, width - 1)`` log-probs in the padded layout; columns before ``chunk.start`` are 0."""
+        return self._logprobs_and_entropy(lay, chunk, temperature, entropy=False)[0]
+
+    def _logprobs_and_entropy(self, lay: Layout, chunk: _Chunk, temperature: float, *,
+                              entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """``_logprobs`` and, with ``entropy``, the entropy of the sampling distribution
+        (``softmax(logits / T)``) at each position, in the same layout. The entropy keeps its
+        gradient only when the loss has an entropy bonus; otherwise it is a metric."""
         batch = lay.padded
         ids = batch.input_ids[chunk.rows, :chunk.width].to(self.device)
         attn = batch.attention_mask[chunk.rows, :chunk.width].to(self.device)
@@ -149,8 +158,15 @@ class HFLearner:
             logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, -keep:]
         logits = logits[:, :-1].float() / temperature
         targets = ids[:, chunk.start + 1:]
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        return F.pad(picked, (chunk.start, 0))
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        if not entropy:
+            return F.pad(picked, (chunk.start, 0)), None
+        bonus = bool(self.loss_config.entropy_coef)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bonus):
+            z = logits if bonus else logits.detach()
+            h = (lse if bonus else lse.detach()) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+        return F.pad(picked, (chunk.start, 0)), F.pad(h, (chunk.start, 0))
 
     @torch.no_grad()
     def logprobs(self, data: TrainData, temperature: float | None = None) -> list[Tensor]:
@@ -199,11 +215,11 @@ class HFLearner:
             tokens = float(mask.sum())
             if tokens == 0:
                 continue
-            logp = self._logprobs(lay, chunk, temperature)
+            logp, entropy = self._logprobs_and_entropy(lay, chunk, temperature, entropy=True)
             old = (logp.detach() if old_logp is None
                    else old_logp[chunk.offset:chunk.offset + len(chunk.rows), :cols].to(self.device))
             out = grpo_loss(logp, old, batch.rollout_logp[chunk.rows, :cols].to(self.device),
-                            batch.advantages[chunk.rows].to(self.device), mask, self.loss_config)
+                            batch.advantages[chunk.rows].to(self.device), mask, self.loss_config, entropy=entropy)
             share = tokens / total
             (out.loss * share).backward()
             for key, value in out.metrics.items():
