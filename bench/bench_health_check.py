@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -69,7 +70,8 @@ async def scenario(args: argparse.Namespace, hung: int) -> None:
         seq_s.append(time.perf_counter() - t)
     par, seq = statistics.median(parallel_s), statistics.median(seq_s)
     print(f"engines={args.engines} hung={hung} timeout={args.timeout_s:.3f}s "
-          f"healthy-check delay={args.delay_ms:.1f}ms repeats={args.repeats}")
+          f"healthy-check delay={args.delay_ms:.1f}ms repeats={args.repeats}; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print(f"parallel round (controller):   median {par:.3f}s  min {min(parallel_s):.3f}s  max {max(parallel_s):.3f}s"
           f"  = {par / args.timeout_s:.2f} x timeout")
     print(f"sequential round (one by one): median {seq:.3f}s  = {seq / args.timeout_s:.2f} x timeout")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -50,7 +51,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
         await ctl.start()
         await ctl.wait_serving(timeout_s=120)
         print(f"{args.engines} engines up in {time.perf_counter() - started:.1f}s; weights file {size_mb:.1f} MB; "
-              f"pause mode {args.pause_mode}")
+              f"pause mode {args.pause_mode}; load average {os.getloadavg()[0]:.2f}")
         timings: dict[str, list[float]] = {"parallel": [], "sequential": []}
         per_engine: list[float] = []
         try:
@@ -76,7 +77,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
           f"[{', '.join(f'{x * 1000:.0f}' for x in timings['parallel'])}]")
     print(f"sequential (one engine after another): median {seq * 1000:.1f} ms  "
           f"[{', '.join(f'{x * 1000:.0f}' for x in timings['sequential'])}]")
-    print(f"sequential / parallel: {seq / par:.2f}x")
+    print(f"sequential / parallel: {seq / par:.2f}x; load average {os.getloadavg()[0]:.2f} at the end "
+          f"on {os.cpu_count()} CPUs")
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from rollout_bus.lm import tokenizer
+from rollout_bus.tasks.indexed import IndexedSource
 
 
 class _Scored(Protocol):
@@ -37,7 +38,7 @@ def problem(index: int, *, digits: int = 2, seed: int = 0, operator: str = "+") 
     return f"{a}{operator}{b}=", str(answer)
 
 
-class ArithmeticSource:
+class ArithmeticSource(IndexedSource):
     """Data source of arithmetic prompts; ``size`` makes it a finite set visited in epochs."""
 
     def __init__(self, digits: int = 2, seed: int = 0, operator: str = "+", size: int | None = None,
@@ -47,14 +48,13 @@ class ArithmeticSource:
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"size must be a positive integer or None, got {size!r}")
         problem(0, digits=digits, seed=seed, operator=operator)  # validates the operator
+        super().__init__()
         self.digits = digits
         self.seed = seed
         self.operator = operator
         self.size = size
         self.bos = bos
         self.name = f"arith-{operator.replace('*', 'x')}-d{digits}-s{seed}" + (f"-n{size}" if size else "")
-        self._next = 0
-        self._requeued: list[dict[str, Any]] = []
 
     def item(self, index: int) -> dict[str, Any]:
         """Prompt number ``index`` (a sequence number; with ``size`` it wraps into epochs)."""
@@ -62,26 +62,6 @@ class ArithmeticSource:
                                 operator=self.operator)
         return {"index": index, "prompt": prompt, "label": label,
                 "prompt_ids": tokenizer.encode(prompt, add_bos=self.bos)}
-
-    def get_samples(self, n: int) -> list[dict[str, Any]]:
-        out = self._requeued[:n]
-        self._requeued = self._requeued[n:]
-        while len(out) < n:
-            out.append(self.item(self._next))
-            self._next += 1
-        return out
-
-    def add_samples(self, items: list[dict[str, Any]]) -> None:
-        self._requeued.extend(items)
-        self._requeued.sort(key=lambda it: it["index"])
-
-    def save(self) -> dict[str, Any]:
-        return {"next": self._next, "requeued": list(self._requeued)}
-
-    def load(self, state: dict[str, Any] | None) -> None:
-        state = state or {}
-        self._next = int(state.get("next", 0))
-        self._requeued = list(state.get("requeued", []))
 
 
 def answer_of(response_ids: Sequence[int]) -> str:

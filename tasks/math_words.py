@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rollout_bus.lm import hf_tokenizer
+from rollout_bus.tasks.indexed import IndexedSource
 
 Split = Literal["train", "eval"]
 AnswerFormat = Literal["boxed", "hashes"]
@@ -110,7 +111,7 @@ def problem(split: str, index: int, *, seed: int = 0, min_steps: int = 2, max_st
     raise RuntimeError(f"no {split} problem in {MAX_DRAWS} draws")  # p < (1 - 0.125) ** 1000
 
 
-class MathWordsSource:
+class MathWordsSource(IndexedSource):
     """Data source of word problems of one split, rendered through a model's chat template.
 
     ``size`` makes it a finite set visited in epochs (eval sets); ``answer_format`` is the form
@@ -124,6 +125,7 @@ class MathWordsSource:
                  min_steps: int = 2, max_steps: int = 3, max_number: int = 20, answer_format: str = "boxed",
                  system_prompt: str | None = None, instruction: str | None = None, format_credit: float = 0.0,
                  unformatted_credit: float = 0.0) -> None:
+        super().__init__()
         if not isinstance(tokenizer, str) or not tokenizer:
             raise ValueError("tokenizer must be the path of a Hugging Face model directory")
         if split not in SPLITS:
@@ -151,8 +153,6 @@ class MathWordsSource:
                                "unformatted_credit": float(unformatted_credit)}
         self.name = (f"math-words-{split}-s{seed}-k{min_steps}{max_steps}-m{max_number}-{answer_format}"
                      + (f"-n{size}" if size else ""))
-        self._next = 0
-        self._requeued: list[dict[str, Any]] = []
 
     def question(self, index: int) -> Problem:
         return problem(self.split, index % self.size if self.size else index, seed=self.seed,
@@ -169,23 +169,3 @@ class MathWordsSource:
                 "prompt_ids": self.chat.encode_messages(messages),
                 "metadata": {"task": "math_words", "tokenizer": self.tokenizer, "steps": p.steps,
                              **self.reward_options}}
-
-    def get_samples(self, n: int) -> list[dict[str, Any]]:
-        out = self._requeued[:n]
-        self._requeued = self._requeued[n:]
-        while len(out) < n:
-            out.append(self.item(self._next))
-            self._next += 1
-        return out
-
-    def add_samples(self, items: list[dict[str, Any]]) -> None:
-        self._requeued.extend(items)
-        self._requeued.sort(key=lambda it: it["index"])
-
-    def save(self) -> dict[str, Any]:
-        return {"next": self._next, "requeued": list(self._requeued)}
-
-    def load(self, state: dict[str, Any] | None) -> None:
-        state = state or {}
-        self._next = int(state.get("next", 0))
-        self._requeued = list(state.get("requeued", []))
