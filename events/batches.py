@@ -65,13 +65,21 @@ return false
 # KEYS[1] stream, KEYS[2] dedupe, KEYS[3] readers, KEYS[4] registered groups, KEYS[5] index,
 # KEYS[6] payload stores, KEYS[7..] this attempt's payload keys in this Redis (if any);
 # ARGV[1] dedupe ttl s, ARGV[2] readers ttl s, ARGV[3] maxlen (0 = none), ARGV[4] ref,
-# ARGV[5..] field, value pairs. Returns {entry id, 1} when appended; on a repeat {existing id, 0},
-# with this attempt's ref unindexed and its keys in Redis deleted (the caller deletes other bytes).
+# ARGV[5..] field, value pairs. Returns {entry id, 1} when appended. On a repeat: {existing id, 0}
+# when the existing entry is another attempt's, with this attempt's ref unindexed and its keys in
+# Redis deleted (the caller deletes other bytes); {existing id, 2} when it is this attempt's own (the
+# same call run again: a retried WAIT, a reply lost on the way back) or can no longer be read
+# (trimmed): then nothing is deleted, since those bytes may be the ones the entry points to.
 # An error when this attempt's payload keys are not all there (written to a primary that failed over
 # before its replica had them): no event ever points at bytes that are gone.
 _PUBLISH = """
 local prev = redis.call('GET', KEYS[2])
 if prev then
+  local entry = redis.call('XRANGE', KEYS[1], prev, prev)
+  if #entry == 0 then return {prev, 2} end
+  for _, v in ipairs(entry[1][2]) do
+    if string.find(v, ARGV[4], 1, true) then return {prev, 2} end
+  end
   redis.call('ZREM', KEYS[5], ARGV[4])
   redis.call('HDEL', KEYS[6], ARGV[4])
   if #KEYS > 6 then redis.call('DEL', unpack(KEYS, 7)) end
@@ -182,12 +190,12 @@ class BatchChannel:
                        self.keys.payload_index, self.keys.payload_stores, *inline]
         d = self.publisher.durability
         if d.replicas == 0:
-            entry_id, appended = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))
+            entry_id, outcome = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))
         else:  # a BatchReady survives a failover: acknowledged only once the replicas have it
             def attempt() -> tuple[Any, int]:
                 return self.guard.call(lambda c: self._publish_and_wait(c, script_keys, args, d))
-            entry_id, appended = confirm_replicated(d, f"BatchReady {policy}/{batch_id}", attempt)
-        if not appended:
+            entry_id, outcome = confirm_replicated(d, f"BatchReady {policy}/{batch_id}", attempt)
+        if outcome == 0:  # another attempt's entry won (1: appended now; 2: this attempt's own, appended before)
             log.info("batch %s of %s was published by another attempt first; dropping this attempt's copy",
                      batch_id, policy)
             if not inline:

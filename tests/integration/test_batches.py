@@ -148,3 +148,25 @@ def test_delete_expired_deletes_a_payload_a_dead_group_never_released(redis_clie
     assert redis_client.zcard(keys.payload_index) == 0
     assert not redis_client.exists(keys.payload_readers(ref))
     cleanup(ch.store)
+
+
+def test_a_publish_run_again_after_its_wait_fell_short_keeps_the_payload_its_entry_points_to(
+        redis_client: redis.Redis, keys: Keys, spec: str) -> None:
+    """With a replica asked for and none there, each ``WAIT`` falls short and the same publish (same
+    ref) runs again: the repeat finds its own entry and must not delete the bytes that entry names."""
+    from rollout_bus.events.connection import Durability
+    from rollout_bus.events.errors import ReplicationTimeout
+
+    ch = channel(redis_client, keys, spec)
+    consumer = group(redis_client, keys, "trainer")
+    ch.publisher.durability = Durability(replicas=1, timeout_ms=20, attempts=3)
+    with pytest.raises(ReplicationTimeout):
+        ch.publish(POLICY, "b1", tensors(), {"rollout": 1})
+    assert redis_client.xlen(keys.batch_stream(POLICY)) == 1  # the first try appended it; the repeats did not
+    ch.publisher.durability = Durability()  # the writer tries again without replicas: the existing entry
+    entry = ch.publish(POLICY, "b1", tensors(), {"rollout": 1})
+    msgs = consumer.read()
+    assert [m.id for m in msgs] == [entry]
+    batch = ch.fetch(msgs[0].event)  # type: ignore[arg-type]
+    assert torch.equal(batch.tensor("rewards"), torch.tensor([0.5, -0.25]))
+    cleanup(ch.store)
