@@ -37,6 +37,21 @@ def to_train_data(samples: Sequence[Sample], *, rollout_id: int, std_normalise: 
     )
 
 
+def is_correct(sample: Sample) -> bool:
+    """Whether a sample's answer is right: the reward's own verdict (``metadata["correct"]``, set by rewards
+    that judge answers, such as ``tasks.math_reward``), else full reward (1 or more). Partial credit for
+    form or for a wrong answer never counts."""
+    verdict = sample.metadata.get("correct")
+    if isinstance(verdict, bool):
+        return verdict
+    return float(sample.reward or 0.0) >= 1.0
+
+
+def pass_at_n(groups: Sequence[Sequence[Sample]]) -> float:
+    """The share of groups (one prompt's samples) with at least one correct sample (``is_correct``)."""
+    return sum(any(is_correct(s) for s in g) for g in groups) / max(len(groups), 1)
+
+
 def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     """Reward, length, truncation and engine figures of a set of samples."""
     n = max(len(samples), 1)

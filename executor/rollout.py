@@ -22,7 +22,7 @@ from typing import Any
 
 from rollout_bus.events.rollouts import RolloutRequest
 from rollout_bus.events.train_data import TrainData
-from rollout_bus.executor.convert import sample_metrics, to_train_data
+from rollout_bus.executor.convert import pass_at_n, sample_metrics, to_train_data
 from rollout_bus.executor.cursor import CursorStore, Item
 from rollout_bus.executor.engines import EngineCaller, EngineTime
 from rollout_bus.executor.errors import (
@@ -147,8 +147,7 @@ class RolloutRunner:
             done = [g async for g in finished]
         samples = [s for g in done for s in g.samples]
         metrics = sample_metrics(samples)
-        metrics["pass_at_n"] = sum(max(float(s.reward or 0.0) for s in g.samples) > 0 for g in done) / max(
-            len(done), 1)
+        metrics["pass_at_n"] = pass_at_n([g.samples for g in done])
         return RolloutOutcome(None, [], metrics)
 
     # --- groups -----------------------------------------------------------------------------

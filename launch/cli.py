@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stale-policy", choices=STALE_POLICIES, default=d.stale_policy)
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--epochs", type=int, default=d.epochs)
+    g.add_argument("--std-normalise", action=argparse.BooleanOptionalAction, default=d.std_normalise,
+                   help="divide each group's advantages by its reward std (default off: keeps the reward's scale)")
     g.add_argument("--minibatches", type=int, default=d.minibatches)
     g.add_argument("--digits", type=int, default=d.digits, help="arithmetic task: digits per operand")
     g.add_argument("--token-delay-ms", type=float, default=d.token_delay_ms, help="engine sleep per decode step")

@@ -31,6 +31,8 @@ class RunConfig:
     max_staleness: int = 1
     stale_policy: str = "drop"
     lr: float = 5e-4
+    std_normalise: bool = False
+    """``--std-normalise`` of the trainers (see ``trainer.config.RolloutConfig.std_normalise``)."""
     epochs: int = 1
     minibatches: int = 1
     digits: int = 1

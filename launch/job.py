@@ -332,6 +332,7 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--n-samples", str(config.n_samples), "--max-new-tokens", str(config.max_new_tokens),
             "--in-flight", str(config.in_flight), "--max-staleness", str(config.max_staleness),
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
+            "--std-normalise" if config.std_normalise else "--no-std-normalise",
             "--minibatches", str(config.minibatches), "--log-to", config.log_to, "--log-dir", str(log_dir),
             "--run-name", namespace, *extra, *config.trainer_args]
 

@@ -1,8 +1,10 @@
 """A verifiable math reward: the final answer parsed and compared with ``math-verify``, partial credit for form.
 
 ``score_text(text, label, ...)``:
-- the answer in the requested form (``\\boxed{N}``, or a last line ``#### N``) is found and
-  parsed with math-verify: equal to the label, reward 1; not equal, ``format_credit``;
+- the answer in the requested form (``\\boxed{N}``, or a last non-empty line that is ``####`` and a
+  number, nothing else: ``#### N`` as a placeholder, ``#### 2 * 4 = 8`` or a ``####`` line followed
+  by more text are not in that form) is found and parsed with math-verify: equal to the label,
+  reward 1; not equal, ``format_credit``;
 - no answer in that form: math-verify parses the whole response (it prefers an "answer is"
   phrase, then the last number); equal to the label, ``unformatted_credit``; else 0.
 
@@ -40,7 +42,9 @@ MAX_TEXT_CHARS = 4000
 """Only the last this many characters of a response are parsed."""
 MAX_ANSWER_CHARS = 200
 
-_HASHES = re.compile(r"####[ \t]*([^\n]*)")
+_HASHES_LINE = re.compile(r"####[ \t]*\$?[ \t]*(-?\d[\d,]*(?:\.\d+)?)[ \t]*\.?")
+"""A whole last line in the ``hashes`` form: ``####``, one number (sign, ``$``, thousands commas and
+decimals allowed), an optional full stop."""
 
 
 class _Scored(Protocol):
@@ -77,8 +81,9 @@ def formatted_answer(text: str, answer_format: str) -> str | None:
     if answer_format == "boxed":
         found = last_boxed(text)
     elif answer_format == "hashes":
-        matches = _HASHES.findall(text)
-        found = matches[-1] if matches else None
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        match = _HASHES_LINE.fullmatch(lines[-1]) if lines else None
+        found = match.group(1).replace(",", "") if match else None
     else:
         raise ValueError(f"answer_format must be 'boxed' or 'hashes', got {answer_format!r}")
     if found is None or not found.strip() or len(found) > MAX_ANSWER_CHARS:

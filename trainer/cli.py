@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--n-samples", type=int, default=8, help="samples per prompt group")
     t.add_argument("--max-new-tokens", type=int, default=6)
     t.add_argument("--temperature", type=float, default=1.0)
+    t.add_argument("--std-normalise", action=argparse.BooleanOptionalAction, default=False,
+                   help="divide each group's advantages by its reward std (default off: keeps the reward's scale)")
     t.add_argument("--data", default="{}", help="JSON options for the executors' data source")
     t.add_argument("--rollout-timeout-s", type=float, default=120.0)
     t.add_argument("--get-timeout-s", type=float, default=600.0)
@@ -138,7 +140,7 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
         initial_version=ns.initial_version, checkpoint_dir=ns.checkpoint_dir, dp_rank=ns.dp_rank,
         dp_size=ns.dp_size, dp_strategy=ns.dp_strategy, get_timeout_s=ns.get_timeout_s,
         torch_threads=ns.torch_threads,
-        rollout=RolloutConfig(n_groups=ns.n_groups, n_samples_per_group=ns.n_samples,
+        rollout=RolloutConfig(n_groups=ns.n_groups, n_samples_per_group=ns.n_samples, std_normalise=ns.std_normalise,
                               max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
                               timeout_s=ns.rollout_timeout_s, data=data),
         schedule=ScheduleConfig(mode=ns.mode, in_flight=ns.in_flight, max_staleness=ns.max_staleness,

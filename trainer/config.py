@@ -40,7 +40,10 @@ class RolloutConfig:
     n_samples_per_group: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
-    std_normalise: bool = True
+    std_normalise: bool = False
+    """Divide each group's advantages by its reward std (GRPO's normalisation). Off by default, as
+    everywhere in the project (``RolloutRequest``, ``to_train_data``): the division erases the reward's
+    scale, so a shaped ``[0.2, 0, 0, 0]`` would get the same advantages as ``[1, 0, 0, 0]``."""
     timeout_s: float = 120.0
     """A request without a batch after this long is asked again under a new request id."""
     data: dict[str, Any] = field(default_factory=dict)

@@ -75,3 +75,21 @@ def test_a_reward_that_raises_or_returns_garbage_is_a_reward_error(fake_client: 
     with pytest.raises(RewardError, match="returned 2 rewards for 3 samples|finite"):
         run(RolloutRequest("p", 0, 1, 3), fake_client, keys,
             reward_path="tests.support.executor_plugins.bad_group_reward", group_reward=True)
+
+
+def test_pass_at_n_counts_correct_answers_not_partial_credit() -> None:
+    from rollout_bus.executor.convert import pass_at_n
+    from rollout_bus.executor.sample import Sample
+
+    def made(reward: float, correct: bool | None = None) -> Sample:
+        s = Sample(group_index=0, index=0, prompt="", prompt_ids=[1], reward=reward)
+        if correct is not None:
+            s.metadata["correct"] = correct
+        return s
+
+    formatted_but_wrong = [made(0.2, False), made(0.2, False)]
+    right_once = [made(0.2, False), made(1.0, True)]
+    assert pass_at_n([formatted_but_wrong, right_once]) == 0.5
+    # Without the reward's own verdict, only full reward counts: partial credit is not a pass.
+    assert pass_at_n([[made(0.5), made(0.0)], [made(1.0)]]) == 0.5
+    assert pass_at_n([]) == 0.0

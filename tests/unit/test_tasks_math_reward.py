@@ -47,7 +47,14 @@ CREDIT = {"format_credit": 0.1, "unformatted_credit": 0.5}
     ("", "boxed", 0.0, False, False),
     ("\\boxed{}", "boxed", 0.0, False, False),
     ("She has 10 + 5 = 15.\n#### 15", "hashes", 1.0, True, True),
-    ("#### 15 apples", "hashes", 1.0, True, True),
+    ("#### 15 apples", "hashes", 0.5, True, False),
+    ("#### 15.", "hashes", 1.0, True, True),
+    ("#### $15", "hashes", 1.0, True, True),
+    ("#### N", "hashes", 0.0, False, False),
+    ("Answer with only the final number, as '#### N'.\n#### N", "hashes", 0.0, False, False),
+    ("#### 2 * 4 = 8 * 2 = 16 * 2 =", "hashes", 0.0, False, False),
+    ("#### 15\nRemember to write '#### N'.", "hashes", 0.5, True, False),
+    ("#### 14\n", "hashes", 0.1, False, True),
     ("#### 16", "hashes", 0.1, False, True),
     ("\\boxed{15}", "hashes", 0.5, True, False),
 ])
@@ -67,6 +74,9 @@ def test_the_requested_form_is_found_with_nested_braces_and_on_the_last_line() -
     assert formatted_answer("x \\boxed{\\frac{1}{2}} y", "boxed") == "\\frac{1}{2}"
     assert formatted_answer("\\boxed{1} then \\boxed{2", "boxed") == "1"
     assert formatted_answer("#### 3\nmore\n#### 4 ", "hashes") == "4"
+    assert formatted_answer("#### 4\nmore", "hashes") is None
+    assert formatted_answer("#### 1,250\n\n", "hashes") == "1250"
+    assert formatted_answer("#### N", "hashes") is None
     assert formatted_answer("no answer", "hashes") is None
     with pytest.raises(ValueError, match="answer_format"):
         formatted_answer("x", "latex")
