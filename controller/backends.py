@@ -46,6 +46,8 @@ class LaunchSpec:
     base_gpu_id: int = 0
     advertise_host: str = ""
     """The address the engine registers under (other hosts reach it there); "": ``host``."""
+    weights_root: str = ""
+    """Where published weights live: a CPU engine loads over HTTP only from there (``--weights-root``)."""
 
     @property
     def url(self) -> str:
@@ -75,6 +77,8 @@ class CpuBackend(Backend):
             cmd += ["--seed", str(spec.seed)]
         if spec.api_key:
             cmd += ["--api-key", spec.api_key]
+        if spec.weights_root:
+            cmd += ["--weights-root", spec.weights_root]
         if spec.enable_lora:
             cmd += ["--enable-lora", "--max-loras-per-batch", str(spec.max_loras_per_batch),
                     "--max-lora-rank", str(spec.max_lora_rank)]

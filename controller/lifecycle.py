@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from rollout_bus.controller.backends import Backend, LaunchSpec, ProcessHandle, launch
@@ -54,7 +55,8 @@ def launch_spec(cfg: ControllerConfig, engine_id: str, port: int,
                       token_delay_ms=cfg.token_delay_ms, seed=cfg.seed, api_key=cfg.engine_api_key,
                       enable_lora=cfg.enable_lora, max_loras_per_batch=cfg.max_loras_per_batch,
                       max_lora_rank=cfg.max_lora_rank, lora_target_modules=tuple(cfg.lora_target_modules),
-                      tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size)
+                      tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size,
+                      weights_root=str(Path(cfg.weights_root).resolve()) if cfg.weights_root else "")
 
 
 class Lifecycle:

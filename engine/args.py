@@ -30,6 +30,7 @@ class EngineArgs:
     max_lora_rank: int | None = None
     lora_target_modules: tuple[str, ...] | None = None
     lora_paths: tuple[str, ...] = ()
+    weights_root: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
     parser.add_argument("--lora-target-modules", nargs="+", default=None, help="accepted for SGLang compatibility")
     parser.add_argument("--lora-paths", nargs="+", default=(), help="adapters to load at start: NAME=PATH ...")
+    parser.add_argument("--weights-root", default=None,
+                        help="load weights and adapters over HTTP only from directories inside DIR (or the "
+                             "--model-path it started from); default: any directory the engine can read")
     return parser
 
 

@@ -2,13 +2,16 @@
 
 As in SGLang, each body must be a JSON object (no body is a 400) and unknown keys are ignored.
 Weight files and adapters are read and vetted on a worker thread, so the event loop keeps serving;
-the swap itself runs on the scheduler thread between two steps.
+the swap itself runs on the scheduler thread between two steps. With ``--weights-root`` an engine
+loads weights and adapters only from directories inside it (links resolved) or from the model it
+started with: a caller cannot make it serve any directory of its host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -43,11 +46,34 @@ def _required_str(body: dict[str, Any], name: str) -> str:
     return value
 
 
+def _inside(path: str, root: Path) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(root)
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL byte: not a path it loads
+        return False
+
+
 class Control:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.scheduler = engine.scheduler
         self.model = engine.model
+        root = engine.args.weights_root
+        self.weights_root = Path(root).resolve() if root else None
+        self.start_model = Path(engine.args.model_path).resolve()
+
+    def check_source(self, field: str, path: str) -> None:
+        """``BadRequest`` unless the engine may load from ``path`` (see ``--weights-root``)."""
+        root = self.weights_root
+        if root is None or _inside(path, root):
+            return
+        try:
+            if Path(path).resolve() == self.start_model:
+                return
+        except (OSError, RuntimeError, ValueError):
+            pass
+        raise BadRequest(f"{field} {path!r} is outside this engine's --weights-root {str(root)!r}: it loads only "
+                         "published weights from there (or the model it started with)")
 
     def add_to(self, app: web.Application) -> None:
         post, get = web.post, web.get
@@ -77,6 +103,7 @@ class Control:
         try:
             body = await _body(request)
             model_path = _required_str(body, "model_path")
+            self.check_source("model_path", model_path)
             load_format = get_str(body, "load_format", None)
             if load_format not in (None, "auto", "safetensors"):
                 raise BadRequest(f"load_format {load_format!r} is not supported; use 'safetensors' or leave it out")
@@ -147,6 +174,7 @@ class Control:
         try:
             body = await _body(request)
             name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
+            self.check_source("lora_path", path)
             get_bool(body, "pinned", False)
             await asyncio.get_running_loop().run_in_executor(None, self.model.check_adapter, name, path)
             await asyncio.wrap_future(self.scheduler.load_adapter(name, path))

@@ -55,3 +55,7 @@ class EngineRejected(Permanent):
 
 class EnginesFailed(RolloutError):
     """Generate calls kept failing on every engine tried (transient: the job is retried)."""
+
+
+class ForbiddenJob(Permanent):
+    """An rq job that names a function or callback other than the project's own: never imported, never retried."""

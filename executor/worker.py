@@ -13,6 +13,9 @@ a minute, and looks for abandoned jobs only every ten minutes. Here:
   it does, so neither another reaper nor rq's maintenance pass retries the same job twice;
 - a worker that finds its own stable name still registered by a dead process on the same
   host takes the name over and marks that process's executions expired at once;
+- only rollout jobs run: the worker, its queues and the reaper's registries use ``RolloutJob``
+  (``executor/rqjob.py``), which imports no function or callback but the project's own; any other
+  job fails at once, unretried, with the reason;
 - dequeuing never loses a job: rq takes a job from several queues with ``BLPOP``, so a worker
   that dies between taking a job and registering it as started (milliseconds, but a SIGKILL can
   land there) leaves it in no queue and no registry. ``ReliableQueue`` always moves the job id
@@ -41,6 +44,7 @@ from rq.timeouts import TimerDeathPenalty
 
 from rollout_bus.events import processes
 from rollout_bus.events.connection import Redis, as_str
+from rollout_bus.executor.rqjob import RolloutJob, first_seen_key, refusal
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class ReliableQueue(Queue):
     single-queue dequeue, instead of popping it: a worker that dies before the job is registered as
     started leaves it where the ``Reaper`` finds it."""
 
+    job_class = RolloutJob
     BLOCK_SLICE_S = 1
     """While blocked on the first (highest-priority) queue, the others are looked at again this often."""
 
@@ -91,11 +96,12 @@ class ExecutorWorker(SimpleWorker):
     """A ``SimpleWorker`` with short, refreshed execution heartbeats and a hook around each job."""
 
     queue_class = ReliableQueue
+    job_class = RolloutJob
 
     def __init__(self, queues: list[Queue], *, name: str, connection: Redis, heartbeat_ttl_s: int,
                  heartbeat_interval_s: float, worker_ttl_s: int,
                  around_job: Callable[[Job], Any] | None = None) -> None:
-        super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer,
+        super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer, job_class=RolloutJob,
                          worker_ttl=worker_ttl_s, job_monitoring_interval=max(1, int(heartbeat_interval_s)))
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -107,6 +113,13 @@ class ExecutorWorker(SimpleWorker):
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         # the job id is in its queue's intermediate list whatever the number of queues (ReliableQueue)
         super().prepare_job_execution(job, remove_from_intermediate_queue=True)
+
+    def perform_job(self, job: Job, queue: Queue, execution: Any) -> bool:
+        reason = refusal(job)
+        if reason is not None:  # its function raises ForbiddenJob before anything is imported
+            log.error("refusing %s", reason)
+            job.retries_left = 0
+        return bool(super().perform_job(job, queue, execution))
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         stop = threading.Event()
@@ -213,7 +226,8 @@ class Reaper:
             if not lock.acquire(blocking=False):
                 continue  # someone is cleaning this queue's registries right now
             try:
-                StartedJobRegistry(queue=queue, death_penalty_class=TimerDeathPenalty).cleanup()
+                StartedJobRegistry(queue=queue, job_class=RolloutJob,
+                                   death_penalty_class=TimerDeathPenalty).cleanup()
                 self.requeue_stranded(queue)
             finally:
                 try:
@@ -234,7 +248,7 @@ class Reaper:
             if first is None or (datetime.now(UTC) - first).total_seconds() < self.stranded_after_s:
                 continue
             if self._requeue(keys=[stranded.key, queue.key], args=[job_id]):
-                self.connection.delete(stranded.get_first_seen_key(job_id))
+                self.connection.delete(first_seen_key(queue.key, job_id))
                 requeued += 1
                 log.warning("job %s was taken from %s by an executor that died before starting it: back on the "
                             "queue", job_id, queue.name)

@@ -1,10 +1,18 @@
-"""deploy/users.acl and deploy/redis.conf in a real redis-server: each role can do its job and no more."""
+"""deploy/users.acl and deploy/redis.conf in a real redis-server: each role can do its job and no more.
+
+The ACL file is rendered as compose renders it (``deploy/render-acl.sh``, passwords from the
+environment). Each role's real process runs under its user with nothing refused; then every
+operation the role must not do gets ``NOPERM``."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +27,7 @@ from rq.serializers import JSONSerializer
 
 from rollout_bus import status
 from rollout_bus.controller.lease import Lease
+from rollout_bus.events import acl
 from rollout_bus.events import schema as s
 from rollout_bus.events.batches import BatchChannel
 from rollout_bus.events.connection import connect
@@ -37,7 +46,16 @@ from rollout_bus.trainer.lease import PolicyLease
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-POLICY = "p0"
+POLICY = acl.TRAINER_POLICY  # the trainer user's own policy
+OTHER = "p1"
+PASSWORDS = {f"{user.upper()}_PASSWORD": f"{user}-test-password" for user in ("controller", "executor", "trainer",
+                                                                               "status", "admin")}
+
+
+def render_acl(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """deploy/render-acl.sh, as the compose redis service runs it, with only ``env`` set."""
+    return subprocess.run(["sh", str(ROOT / "deploy" / "render-acl.sh"), str(ROOT / "deploy" / "users.acl"), str(path)],
+                          env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=30)
 
 
 class AclServer:
@@ -49,10 +67,12 @@ class AclServer:
             pytest.skip("redis-server is not installed")
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="rollout-bus-acl-")
+        rendered = render_acl(Path(self.dir, "users.acl"), PASSWORDS)
+        assert rendered.returncode == 0, rendered.stderr
         self._stderr = Path(self.dir, "stderr").open("wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [binary, str(ROOT / "deploy" / "redis.conf"), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", self.dir, "--aclfile", str(ROOT / "deploy" / "users.acl"), "--daemonize", "no",
+             "--dir", self.dir, "--aclfile", f"{self.dir}/users.acl", "--daemonize", "no",
              "--logfile", f"{self.dir}/redis.log"], stdout=subprocess.DEVNULL,
             stderr=self._stderr)
         deadline = time.monotonic() + 10
@@ -66,7 +86,7 @@ class AclServer:
                 time.sleep(0.02)
 
     def url(self, user: str) -> str:
-        return f"redis://{user}:{user}-dev-password@127.0.0.1:{self.port}/0"
+        return f"redis://{user}:{user}-test-password@127.0.0.1:{self.port}/0"
 
     def client(self, user: str) -> redis.Redis:
         return connect(self.url(user))
@@ -89,7 +109,7 @@ def refused(fn: Callable[[], Any]) -> None:
     """``fn`` fails on an ACL check (redis-py drops the NOPERM prefix; the Guard drops the class)."""
     with pytest.raises((redis.exceptions.NoPermissionError, RedisCommandError)) as info:
         fn()
-    assert "no permissions" in str(info.value), info.value
+    assert "no permissions" in str(info.value) or "can't access" in str(info.value), info.value
 
 
 def producer(role: str) -> s.Producer:
@@ -110,7 +130,8 @@ def test_the_controller_owns_engines_weight_outcomes_and_the_registry(acl_server
     keys = Keys("ctl")
     ctl = acl_server.client("controller")
     Publisher(acl_server.client("trainer"), keys, producer("trainer")).publish(keys.weight_stream, s.WeightsPublished(
-        producer=producer("trainer"), policy=POLICY, version=1, uri="file:///w/1", sha256="ab"))
+        producer=producer("trainer"), policy=POLICY, version=1, uri="file:///w/1", sha256="ab"),
+        idempotency_key=f"weights.{POLICY}.1")
     pub = Publisher(ctl, keys, producer("controller"))
     pub.publish(keys.engine_stream, s.EngineReady(producer=producer("controller"), engine_id="e0", url="u"))
     weights = Consumer(ctl, keys, keys.weight_stream, "controller", "c-0", ConsumerConfig(block_ms=1))
@@ -133,13 +154,13 @@ def test_the_controller_owns_engines_weight_outcomes_and_the_registry(acl_server
     ctl.delete(keys.controller_lease)
     assert lease.try_acquire() and lease.token is not None  # the fencing counter and fenced registry writes
     Registry(ctl, keys, fence=lease.token).put_engine(EngineRecord("e0", "u", EngineState.SERVING))
-    exe = acl_server.client("executor")
+    exe, admin = acl_server.client("executor"), acl_server.client("admin")
     exe_pub = Publisher(exe, keys, producer("executor"))
-    exe.sadd(keys.registered_groups(keys.batch_stream(POLICY)), "left")
+    admin.sadd(keys.registered_groups(keys.batch_stream(POLICY)), "left")
     BatchChannel(exe, keys, publisher=exe_pub).publish(POLICY, "b0", {"x": torch.zeros(3)}, request_id="r0")
-    exe.zadd(keys.group_beats(keys.batch_stream(POLICY)), {"left": 0})  # a reader that left long ago
+    admin.zadd(keys.group_beats(keys.batch_stream(POLICY)), {"left": 0})  # a reader that left long ago
     report = Janitor(ctl, keys, pub, JanitorConfig(max_len=0, payload_max_age_s=3600)).run_once()
-    assert [e.group for e in report.expired] == ["left"] and report.trimmed.get("batches/p0") == 1
+    assert [e.group for e in report.expired] == ["left"] and report.trimmed.get(f"batches/{POLICY}") == 1
     assert not list(ctl.scan_iter(match=keys.payload("*")))  # the janitor deleted the payload it held
 
     refused(lambda: ctl.xadd(keys.batch_stream(POLICY), {"e": b"x"}))
@@ -173,8 +194,6 @@ def test_the_executor_runs_rq_jobs_and_writes_rollouts_and_batches_but_never_wei
                             rollout_id=1, request_id="req-1")
     assert channel.publish(POLICY, "batch-1", {"tokens": torch.arange(6, dtype=torch.int32)}) == entry
     exe.hset(keys.data_cursor(POLICY, "arith"), "offset", 2)
-    Consumer(exe, keys, keys.weight_stream, "executor-x", "x-0", ConsumerConfig(block_ms=1)).run_until_idle(
-        lambda m: None)
 
     weights = s.WeightsPublished(producer=producer("executor"), policy=POLICY, version=9, uri="u", sha256="x")
     refused(lambda: pub.publish(keys.weight_stream, weights))
@@ -205,11 +224,7 @@ def test_the_trainer_consumes_batches_and_publishes_weights_but_never_touches_en
     assert group.run_until_idle(train) == 2 and group.dead_lettered == 1
     assert not [k for k in trainer.scan_iter(match=keys.payload("*"))]
     pub.publish(keys.weight_stream, s.WeightsPublished(producer=producer("trainer"), policy=POLICY, version=1,
-                                                       uri="file:///w/1", sha256="ab"))
-    pub.publish(keys.command_stream, s.OffloadEngines(producer=producer("trainer"), tags=["kv_cache"]))
-    cursor = keys.data_cursor(POLICY, "arith")  # stale prompts go back to the data source (WATCH/MULTI)
-    trainer.transaction(lambda pipe: (pipe.hget(cursor, "returned"), pipe.multi(), pipe.hset(cursor, "returned", b"[]")),
-                        cursor)
+                                                       uri="file:///w/1", sha256="ab"), idempotency_key=f"weights.{POLICY}.1")
     assert Registry(trainer, keys).engines() == {}
 
     refused(lambda: Registry(trainer, keys).put_engine(EngineRecord("e0", "u", EngineState.SERVING)))
@@ -226,7 +241,7 @@ def test_the_status_user_reads_everything_and_writes_nothing(acl_server: AclServ
     keys = Keys("sts")
     Publisher(acl_server.client("controller"), keys, producer("controller")).publish(
         keys.engine_stream, s.EngineReady(producer=producer("controller"), engine_id="e0", url="u"))
-    Consumer(acl_server.client("controller"), keys, keys.engine_stream, "watch", "w-0",
+    Consumer(acl_server.client("admin"), keys, keys.engine_stream, "watch", "w-0",
              ConsumerConfig(block_ms=1)).ensure_group()
     Registry(acl_server.client("controller"), keys).put_engine(EngineRecord("e0", "u", EngineState.SERVING))
     ro = acl_server.client("status")
@@ -244,3 +259,193 @@ def test_the_status_user_reads_everything_and_writes_nothing(acl_server: AclServ
     admin = acl_server.client("admin")
     imported = import_log(admin, Keys("sts-copy"), tmp_path / "ro.rblog")
     assert imported.entries == {"engines": 1}
+
+
+def test_the_acl_file_is_the_one_events_acl_derives() -> None:
+    assert (ROOT / "deploy" / "users.acl").read_text() == acl.render()
+
+
+def test_the_acl_file_needs_every_role_password_and_leaves_admin_off_without_one(tmp_path: Path) -> None:
+    roles = {k: v for k, v in PASSWORDS.items() if k != "ADMIN_PASSWORD"}
+    for missing in roles:
+        done = render_acl(tmp_path / "users.acl", {k: v for k, v in roles.items() if k != missing})
+        assert done.returncode != 0 and f"set {missing}" in done.stderr
+        assert not (tmp_path / "users.acl").exists()
+    secret = tmp_path / "trainer-secret"
+    secret.write_text("from-a-file")
+    env = {**{k: v for k, v in roles.items() if k != "TRAINER_PASSWORD"}, "TRAINER_PASSWORD_FILE": str(secret)}
+    assert render_acl(tmp_path / "users.acl", env).returncode == 0
+    users = {line.split()[1]: line for line in (tmp_path / "users.acl").read_text().splitlines()}
+    for user in ("admin", "replication", "sentinel", "default"):
+        assert " off resetpass " in users[user] and "#" not in users[user].split("-@all")[0], users[user]
+    for user in ("controller", "executor", "trainer", "status"):
+        assert " on #" in users[user] and "${" not in users[user]
+    assert hashlib.sha256(b"from-a-file").hexdigest() in users["trainer"]
+
+
+def acl_log(admin: redis.Redis) -> list[dict[str, Any]]:
+    return [e for e in admin.acl_log(count=1000)]
+
+
+@pytest.mark.timeout(300)
+def test_each_role_runs_as_its_own_user_with_nothing_refused(acl_server: AclServer, tmp_path: Path) -> None:
+    from rollout_bus.events.paging import page
+    from rollout_bus.launch.procs import ProcessSet
+    from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
+    from tests.support.fake_rollouts import shared_init_dir
+
+    keys, ns = Keys("run"), "run"
+    admin = acl_server.client("admin")
+    admin.acl_log_reset()
+    batches = keys.batch_stream(POLICY)
+    Consumer(admin, keys, batches, "left", "l-0", ConsumerConfig(block_ms=1)).ensure_group()
+    admin.zadd(keys.group_beats(batches), {"left": 0})  # a reader that left long ago: the janitor expires it
+    init = warm_start_cached(shared_init_dir(), WarmStartConfig())
+    procs = ProcessSet(tmp_path / "logs", env={"ROLLOUT_BUS_NAMESPACE": ns})
+    role = ["-m", "rollout_bus"]
+    try:
+        procs.start("controller", [*role, "controller", "--redis-url", acl_server.url("controller"), "--namespace", ns,
+                                   "--num-engines", "1", "--model-path", str(init), "--weights-root",
+                                   str(tmp_path / "weights"), "--base-policy", POLICY, "--log-dir", str(tmp_path / "logs"),
+                                   "--janitor-interval-s", "1", "--retention-max-len", "4"])
+        procs.start("executor", [*role, "executor", "--redis-url", acl_server.url("executor"), "--namespace", ns,
+                                 "--data-source-args", json.dumps({"digits": 1})])
+        trainer = procs.start("trainer", [
+            *role, "trainer", "train", "--redis-url", acl_server.url("trainer"), "--namespace", ns, "--policy", POLICY,
+            "--trainer-id", "trainer-0", "--mode", "async", "--in-flight", "2", "--steps", "3", "--model-path",
+            str(init), "--weights-root", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--n-groups", "4", "--n-samples", "4", "--log-dir", str(tmp_path / "metrics")])
+        assert trainer.proc.wait(240) == 0, trainer.tail(40)
+        steps = [e for e in (s.decode(f) for _, f in page(admin, keys.trainer_stream)) if isinstance(e, s.TrainStepDone)]
+        assert max(e.step for e in steps) == 3
+        served = Registry(admin, keys).policies()[POLICY]
+        assert served.serving is not None and served.serving >= 1  # the controller applied the trainer's weights
+        assert "left" not in {g["name"].decode() for g in admin.xinfo_groups(batches)}  # the janitor expired it
+        shown = subprocess.run([sys.executable, "-m", "rollout_bus", "status", "--redis-url", acl_server.url("status"),
+                                "--namespace", ns], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and "engine" in shown.stdout.lower(), shown.stderr
+        for child in procs.children:
+            assert child.alive() or child is trainer, child.tail(40)
+    finally:
+        procs.stop_all()
+    refusals = acl_log(admin)
+    assert refusals == [], "\n".join(f"{e.get('username')}: {e.get('reason')} {e.get('object')} ({e.get('context')})"
+                                      for e in refusals)
+
+
+_DEL_SCRIPT = "return redis.call('DEL', KEYS[1])"
+
+
+def forbidden(client: redis.Redis, keys: Keys) -> dict[str, Callable[[], Any]]:
+    """Operations no role but the owner of the key may do (each one named in a refusal message)."""
+    batches, weights = keys.batch_stream(POLICY), keys.weight_stream
+    sha = hashlib.sha1(_DEL_SCRIPT.encode()).hexdigest()  # loaded by the admin
+    return {
+        "DEL dead letters": lambda: client.delete(keys.dead_letters),
+        "XTRIM dead letters": lambda: client.xtrim(keys.dead_letters, maxlen=0),
+        "DEL a batch stream": lambda: client.delete(batches),
+        "XTRIM a batch stream": lambda: client.xtrim(batches, maxlen=0),
+        "DEL the rollout stream": lambda: client.delete(keys.rollout_stream),
+        "XTRIM the rollout stream": lambda: client.xtrim(keys.rollout_stream, maxlen=0),
+        "DEL the weights stream": lambda: client.delete(weights),
+        "XTRIM the weights stream": lambda: client.xtrim(weights, maxlen=0),
+        "DEL a stream from a script": lambda: client.evalsha(sha, 1, batches),
+        "XACK the controller's weights entries": lambda: client.xack(weights, "controller", "1-0"),
+        "XAUTOCLAIM the controller's weights entries": lambda: client.xautoclaim(weights, "controller", "x", 0),
+        "XREADGROUP as the controller": lambda: client.xreadgroup("controller", "x", {weights: ">"}),
+        "XGROUP DESTROY the controller's group": lambda: client.xgroup_destroy(weights, "controller"),
+        "forge the controller's group beat": lambda: client.zadd(keys.group_beats(weights), {"controller": 0}),
+        "unregister the controller's group": lambda: client.srem(keys.registered_groups(weights), "controller"),
+        "HSET the engine registry": lambda: client.hset(keys.engine_registry, "e0", b"x"),
+        "SET the controller lease": lambda: client.set(keys.controller_lease, "me"),
+        "INCR the fencing counter": lambda: client.incr(keys.controller_fence),
+        "XADD the engine stream": lambda: client.xadd(keys.engine_stream, {"e": b"x"}),
+        "XADD the command stream": lambda: client.xadd(keys.command_stream, {"e": b"x"}),
+        "stop an executor (rq command)": lambda: client.publish("rq:pubsub:host-executor-0", '{"command": "shutdown"}'),
+        "FLUSHALL": lambda: client.flushall(),
+        "CONFIG SET": lambda: client.config_set("appendonly", "no"),
+        "CLIENT LIST": lambda: client.client_list(),
+        "KEYS": lambda: client.keys("*"),
+    }
+
+
+def _check_refused(user: str, client: redis.Redis, ops: dict[str, Callable[[], Any]]) -> None:
+    allowed = []
+    for name, op in ops.items():
+        try:
+            op()
+        except (redis.exceptions.NoPermissionError, RedisCommandError) as exc:
+            text = str(exc)
+            assert "no permissions" in text or "can't access" in text, f"{name}: {text}"
+            continue
+        except redis.exceptions.ResponseError as exc:
+            if "NOPERM" in str(exc) or "no permissions" in str(exc) or "can't access" in str(exc):
+                continue
+            allowed.append(f"{name} ({exc})")
+            continue
+        allowed.append(name)
+    assert allowed == [], f"{user} may still: {allowed}"
+
+
+def test_what_each_role_must_not_do_gets_noperm(acl_server: AclServer) -> None:
+    keys = Keys("deny")
+    admin = acl_server.client("admin")
+    for stream in (keys.weight_stream, keys.command_stream):
+        Consumer(admin, keys, stream, "controller", "c-0", ConsumerConfig(block_ms=1)).ensure_group()
+    admin.xadd(keys.dead_letters, {"e": b"x"})
+    admin.script_load(_DEL_SCRIPT)
+    admin.acl_log_reset()
+    other, other_batches = keys.trainer_lease(OTHER), keys.batch_stream(OTHER)
+    payload_of_other = keys.payload(f"{OTHER}:b0:00")
+
+    executor = acl_server.client("executor")
+    _check_refused("executor", executor, {
+        **forbidden(executor, keys),
+        "XADD dead letters": lambda: executor.xadd(keys.dead_letters, {"e": b"x"}),
+        "XADD the weights stream": lambda: executor.xadd(keys.weight_stream, {"e": b"x"}),
+        "XADD the trainer stream": lambda: executor.xadd(keys.trainer_stream, {"e": b"x"}),
+        "forge a batch group's beat": lambda: executor.zadd(keys.group_beats(other_batches), {"trainer-p1": 0}),
+        "register a batch group": lambda: executor.sadd(keys.registered_groups(other_batches), "ghost"),
+        "XGROUP DESTROY a trainer's group": lambda: executor.xgroup_destroy(other_batches, "trainer-p1"),
+        "XREADGROUP a trainer's batches": lambda: executor.xreadgroup("trainer-p1", "x", {other_batches: ">"}),
+        "SET a trainer lease": lambda: executor.hset(other, "0", "x"),
+        "XADD an rq result into the bus": lambda: executor.xadd(keys.housekeeping_stream, {"e": b"x"}),
+    })
+    trainer = acl_server.client("trainer")
+    _check_refused("trainer", trainer, {
+        **forbidden(trainer, keys),
+        "take another policy's lease": lambda: trainer.hset(other, "0", "trainer-x"),
+        "drop another policy's lease": lambda: trainer.delete(other),
+        "expire another policy's lease": lambda: trainer.pexpire(other, 1),
+        "read another policy's batches as a group": lambda: trainer.xreadgroup("g", "x", {other_batches: ">"}),
+        "ack another policy's batches": lambda: trainer.xack(other_batches, "trainer-p1", "1-0"),
+        "beat for another policy's group": lambda: trainer.zadd(keys.group_beats(other_batches), {"trainer-p1": 0}),
+        "delete another policy's payload": lambda: trainer.delete(payload_of_other),
+        "claim another policy's publication": lambda: trainer.set(keys.dedupe(keys.weight_stream,
+                                                                             f"weights.{OTHER}.7"), "1-0"),
+        "XADD a batch": lambda: trainer.xadd(keys.batch_stream(POLICY), {"e": b"x"}),
+        "write a payload": lambda: trainer.set(keys.payload(f"{POLICY}:b0:00"), b"x"),
+        "write a data cursor": lambda: trainer.hset(keys.data_cursor(POLICY, "arith"), "state", b"x"),
+        "write a policy record": lambda: trainer.hset(keys.policy_registry, POLICY, b"x"),
+        "mark a job started (rq)": lambda: trainer.zadd(f"rq:wip:{keys.rollout_queue}", {"job": 0}),
+        "delete the rq queue": lambda: trainer.delete(f"rq:queue:{keys.rollout_queue}"),
+        "register an rq worker": lambda: trainer.sadd("rq:workers", "rq:worker:x"),
+    })
+    controller = acl_server.client("controller")
+    _check_refused("controller", controller, {
+        "write a trainer lease": lambda: controller.hset(keys.trainer_lease(POLICY), "0", "ctl"),
+        "delete a trainer lease": lambda: controller.delete(keys.trainer_lease(POLICY)),
+        "extend a trainer lease": lambda: controller.pexpire(keys.trainer_lease(POLICY), 60_000),
+        "XADD a batch": lambda: controller.xadd(keys.batch_stream(POLICY), {"e": b"x"}),
+        "write a payload": lambda: controller.set(keys.payload(f"{POLICY}:b0:00"), b"x"),
+        "XADD the rollout stream": lambda: controller.xadd(keys.rollout_stream, {"e": b"x"}),
+        "XADD the trainer stream": lambda: controller.xadd(keys.trainer_stream, {"e": b"x"}),
+        "queue an rq job": lambda: controller.hset("rq:job:x", "data", b"x"),
+        "stop an executor (rq command)": lambda: controller.publish("rq:pubsub:host-executor-0", "x"),
+        "FLUSHALL": lambda: controller.flushall(),
+        "CONFIG SET": lambda: controller.config_set("appendonly", "no"),
+    })
+    status = acl_server.client("status")
+    _check_refused("status", status, {**forbidden(status, keys), "XADD anything": lambda: status.xadd(keys.engine_stream, {"e": 1})})
+    refused_users = {e["username"] for e in acl_log(admin)}
+    assert {"executor", "trainer", "controller", "status"} <= refused_users  # Redis logged each refusal

@@ -71,3 +71,8 @@ def test_lora_and_the_api_key_reach_both_backends_and_each_engine_gets_its_own_g
     assert "--enable-lora" in sglang and flag(sglang, "--max-lora-rank") == "16"
     plain = CpuBackend().command(launch_spec(ControllerConfig(model_path="/m", weights_root="/w"), "engine-0", 1))
     assert "--enable-lora" not in plain and "--api-key" not in plain
+
+
+def test_a_cpu_engine_gets_the_weights_root_it_may_load_from() -> None:
+    assert flag(CpuBackend().command(spec(weights_root="/shared/weights")), "--weights-root") == "/shared/weights"
+    assert "--weights-root" not in CpuBackend().command(spec())

@@ -1,0 +1,193 @@
+"""What each role sends to Redis, as the ACL users of ``deploy/users.acl`` grant it.
+
+Each role's grants below were derived from what its code sends (the module named beside each
+grant) and checked by running every role's real process under its user with nothing refused
+(``tests/integration/test_deploy_acl.py``, which also tries what each must not do). Every role
+reads every ``rb:{*}:`` key (``%R~``, read commands only); writes are granted per key pattern and
+per command, in selectors, so that a command allowed on one key is not allowed on another.
+Lua scripts are called with ``EVALSHA`` on any key of the bus (``SCRIPTS``): Redis checks every
+command a script runs against the same user, so a script can do nothing its caller could not.
+
+``render()`` writes the ACL file; its passwords are ``#${VAR}`` placeholders that
+``deploy/render-acl.sh`` replaces with the SHA-256 of each password when Redis starts (a user
+whose optional password is not given is ``off``). ``python -m rollout_bus.events.acl`` prints it.
+
+What Redis ACLs cannot express, and is therefore not prevented here:
+- arguments: a role that may ``XADD`` to a stream may also pass ``MAXLEN 0`` and empty it;
+- one stream shared by writers: ``weights`` (every trainer publishes there; the controller checks a
+  publication against its policy's lease holder), ``rollouts`` and ``trainers`` take any event from
+  any trainer, and any executor may add to every policy's batch stream;
+- rq: a role that queues requests writes ``rq:job:`` hashes, so it names the function to run (the
+  executor's worker refuses all but the rollout job, ``executor/rqjob.py``), and it may queue
+  requests for any policy.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from rollout_bus.events.names import Keys
+
+_NS = "NS"
+_ANY = "ANY"
+_K = Keys(_NS)
+TRAINER_POLICY = "default"
+"""The policy of the ``trainer`` user (compose's trainer); ``render(trainer_policy=...)`` for another."""
+
+
+def _pattern(key: str) -> str:
+    """A key of ``Keys(_NS)`` as a pattern over every namespace (and every policy or id for ``_ANY``)."""
+    return key.replace(_K.prefix, "rb:{*}").replace(_ANY, "*")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """``commands`` on keys matching ``keys`` (one selector), and which code sends them."""
+
+    keys: tuple[str, ...]
+    commands: tuple[str, ...]
+    sent_by: str
+
+    def selector(self) -> str:
+        return "(" + " ".join([*(f"~{k}" for k in self.keys), *(c if c.startswith("-") else f"+{c}" for c in self.commands)]) + ")"
+
+
+@dataclass(frozen=True)
+class Role:
+    user: str
+    password_var: str
+    grants: tuple[Grant, ...]
+    reads: tuple[str, ...] = (_pattern(_K.prefix + ":*"),)
+    keyless: tuple[str, ...] = ()
+    channels: tuple[str, ...] = ()
+    required: bool = True
+
+
+CONNECTION = ("@connection", "-@dangerous", "time", "script|load", "script|exists")
+"""Every role: HELLO/AUTH/PING/CLIENT SETNAME (not CLIENT LIST or KILL), TIME, loading its scripts."""
+SCRIPTS = Grant((_pattern(_K.prefix + ":*"), "rq:*"), ("evalsha",), "every Lua script (events/*.py, executor/worker.py)")
+
+
+def _stream_any(stream_of: str) -> str:
+    return _pattern(_K.dedupe(stream_of, _ANY))
+
+
+def _consumer(stream: str, sent_by: str) -> tuple[Grant, ...]:
+    """A consumer group on ``stream`` (events/consume.py): read, ack, claim, and its registration and beat."""
+    return (
+        Grant((_pattern(stream),), ("xreadgroup", "xack", "xautoclaim", "xclaim", "xgroup|create"), sent_by),
+        Grant((_pattern(_K.registered_groups(stream)), _pattern(_K.group_hosts(stream))), ("sadd", "hset"),
+              "register_group (events/consume.py)"),
+        Grant((_pattern(_K.group_beats(stream)),), ("zadd",), "Consumer.beat (events/consume.py)"),
+    )
+
+
+def _publisher(streams: tuple[str, ...], dedupe: tuple[str, ...], sent_by: str) -> tuple[Grant, ...]:
+    """Publishing (events/publish.py, events/batches.py): XADD and the dedupe key, in one script."""
+    return (Grant(tuple(_pattern(s) for s in streams), ("xadd",), sent_by),
+            Grant(dedupe, ("set",), "the dedupe key of each publish (events/publish.py)"))
+
+
+def controller() -> Role:
+    k = _K
+    return Role("controller", "CONTROLLER_PASSWORD", (
+        *_publisher((k.engine_stream, k.weight_stream, k.housekeeping_stream, k.dead_letters),
+                    (_stream_any(k.engine_stream), _stream_any(k.weight_stream), _stream_any(k.housekeeping_stream)),
+                    "engine and weight outcomes (controller/bus.py), the janitor's report (events/janitor.py), "
+                    "dead letters (events/consume.py)"),
+        *_consumer(k.weight_stream, "publications (controller/bus.py)"),
+        *_consumer(k.command_stream, "offload and onload commands (controller/bus.py)"),
+        Grant((_pattern(k.engine_registry), _pattern(k.policy_registry)), ("hset", "hdel", "hincrby"),
+              "the engine and policy registry (events/registry.py)"),
+        Grant((_pattern(k.controller_lease), _pattern(k.controller_fence)), ("set", "del", "pexpire", "incr"),
+              "the controller lease and its fencing counter (controller/lease.py)"),
+        Grant((_pattern(k.prefix + ":stream:*"),), ("xtrim", "xgroup|destroy"),
+              "the janitor: retention and expired groups (events/janitor.py, events/retention.py)"),
+        Grant((_pattern(k.registered_groups(k.prefix + ":" + _ANY)), _pattern(k.group_beats(k.prefix + ":" + _ANY))),
+              ("srem", "zrem", "hdel"), "the janitor unregisters expired groups (events/janitor.py)"),
+        Grant((_pattern(k.payload(_ANY)), _pattern(k.payload_readers(_ANY))), ("del", "srem"),
+              "the janitor's payload sweep and dropped readers (events/batches.py)"),
+        Grant((_pattern(k.payload_index),), ("zrem",), "the payload sweep (events/batches.py)"),
+        Grant((_pattern(k.payload_stores),), ("hdel",), "the payload sweep (events/batches.py)"),
+        SCRIPTS), keyless=(*CONNECTION, "multi", "exec", "discard"))
+
+
+def executor() -> Role:
+    k = _K
+    return Role("executor", "EXECUTOR_PASSWORD", (
+        *_publisher((k.rollout_stream, k.batch_stream(_ANY)),
+                    (_stream_any(k.rollout_stream), _stream_any(k.batch_stream(_ANY))),
+                    "rollout outcomes (executor/service.py, executor/jobs.py), batches (events/batches.py)"),
+        Grant((_pattern(k.payload(_ANY)), _pattern(k.payload_readers(_ANY))), ("set", "del", "sadd", "expire"),
+              "batch payloads and their readers (events/payload/redis.py, events/batches.py)"),
+        Grant((_pattern(k.payload_index),), ("zadd", "zrem"), "the payload index (events/batches.py)"),
+        Grant((_pattern(k.payload_stores),), ("hset", "hdel"), "where each payload lives (events/batches.py)"),
+        Grant((_pattern(k.data_cursor(_ANY, _ANY)),), ("hset", "hdel", "watch"),
+              "data-source cursors (executor/cursor.py)"),
+        Grant(("rq:*",), ("@hash", "@list", "@set", "@sortedset", "@string", "@keyspace", "@stream",
+                          "@transaction", "-@dangerous"),
+              "the rq worker, its registries and the reaper (executor/worker.py, rq)"),
+        SCRIPTS), keyless=(*CONNECTION, "info", "multi", "exec", "discard", "subscribe", "unsubscribe"),
+        channels=("rq:pubsub:*",))
+
+
+def trainer(policy: str = TRAINER_POLICY) -> Role:
+    k = _K
+    batches = k.batch_stream(policy)
+    return Role("trainer" if policy == TRAINER_POLICY else f"trainer-{policy}", "TRAINER_PASSWORD", (
+        *_publisher((k.weight_stream, k.trainer_stream, k.rollout_stream, k.dead_letters),
+                    (_pattern(k.dedupe(k.weight_stream, f"weights.{policy}.{_ANY}")), _stream_any(k.trainer_stream),
+                     _stream_any(k.rollout_stream)),
+                    "publications (trainer/weights.py), trainer events (trainer/client.py, trainer/service.py), "
+                    "rollout requests (events/submit.py), dead letters (events/consume.py)"),
+        *_consumer(batches, "its policy's batches (trainer/client.py, trainer/recorder.py)"),
+        Grant((_pattern(k.payload(f"{policy}:{_ANY}")), _pattern(k.payload_readers(f"{policy}:{_ANY}"))),
+              ("del", "srem"), "releasing its policy's payloads once read (events/batches.py)"),
+        Grant((_pattern(k.payload_index),), ("zrem",), "releasing a payload (events/batches.py)"),
+        Grant((_pattern(k.payload_stores),), ("hdel",), "releasing a payload (events/batches.py)"),
+        Grant((_pattern(k.trainer_lease(policy)),), ("hset", "hdel", "del", "pexpire"),
+              "its policy's trainer lease (trainer/lease.py)"),
+        Grant(("rq:job:*",), ("hset",), "queueing a rollout request (events/submit.py, rq)"),
+        Grant((f"rq:queue:{_pattern(k.rollout_queue).replace(_NS, '*')}",), ("rpush",),
+              "queueing a rollout request (events/submit.py, rq)"),
+        Grant(("rq:queues",), ("sadd",), "rq's set of queues (rq)"),
+        SCRIPTS), reads=(_pattern(k.prefix + ":*"), "rq:job:*", "rq:results:*"),
+        keyless=(*CONNECTION, "info", "multi", "exec", "discard"))
+
+
+def status() -> Role:
+    return Role("status", "STATUS_PASSWORD", (), reads=(_pattern(_K.prefix + ":*"), "rq:*"),
+                keyless=(*CONNECTION[:3],))
+
+
+ROLES = (controller, executor, trainer, status)
+
+
+def _user(role: Role) -> str:
+    parts = ["user", role.user, "on", f"#${{{role.password_var}}}", "resetkeys", "resetchannels"]
+    parts += [f"%R~{r}" for r in role.reads] + [f"&{c}" for c in role.channels] + ["-@all"]
+    parts += ["+@read" if role.reads else "", "-@dangerous"]
+    parts += [c if c.startswith("-") else f"+{c}" for c in role.keyless]
+    parts += [g.selector() for g in role.grants]
+    return " ".join(p for p in parts if p)
+
+
+def render(trainer_policy: str = TRAINER_POLICY) -> str:
+    """The ACL file (``deploy/users.acl``), its passwords as ``#${VAR}`` placeholders."""
+    lines = ["user default off resetpass resetkeys resetchannels -@all",
+             "user admin on #${ADMIN_PASSWORD} ~* &* +@all",
+             "user replication on #${REPLICATION_PASSWORD} resetkeys resetchannels -@all +psync +replconf +ping",
+             "user sentinel on #${SENTINEL_PASSWORD} resetkeys &__sentinel__:hello -@all +multi +slaveof +ping "
+             "+exec +subscribe +config|rewrite +role +publish +info +client|setname +client|kill +script|kill"]
+    lines += [_user(role()) for role in (controller, executor, status)]
+    lines.append(_user(trainer(trainer_policy)))
+    return "\n".join(lines) + "\n"
+
+
+OPTIONAL_PASSWORDS = ("ADMIN_PASSWORD", "REPLICATION_PASSWORD", "SENTINEL_PASSWORD")
+"""Users that stay off unless their password is given (``deploy/render-acl.sh``)."""
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render(*sys.argv[1:2]))
