@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dp-size", type=int, default=1)
     t.add_argument("--dp-strategy", choices=DP_STRATEGIES, default="shared-group")
     t.add_argument("--torch-threads", type=int, default=1)
+    t.add_argument("--lease-ttl-s", type=float, default=30.0,
+                   help="the policy lease lapses this long after the trainer stops renewing it (a pause longer "
+                        "than this deposes the trainer; another may then take the policy)")
     h = t.add_argument_group("Hugging Face models (--model-path a HF directory)")
     h.add_argument("--lora", default=None, metavar="R,ALPHA",
                    help="train a LoRA adapter of rank R and scale ALPHA (peft) on the frozen model and publish "
@@ -137,7 +140,7 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
         redis_url=ns.redis_url, steps=ns.steps, seed=ns.seed, model_path=ns.model_path,
         initial_version=ns.initial_version, checkpoint_dir=ns.checkpoint_dir, dp_rank=ns.dp_rank,
         dp_size=ns.dp_size, dp_strategy=ns.dp_strategy, get_timeout_s=ns.get_timeout_s,
-        torch_threads=ns.torch_threads,
+        torch_threads=ns.torch_threads, lease_ttl_s=ns.lease_ttl_s,
         rollout=RolloutConfig(n_groups=ns.n_groups, n_samples_per_group=ns.n_samples,
                               max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
                               timeout_s=ns.rollout_timeout_s, data=data),

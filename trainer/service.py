@@ -107,7 +107,7 @@ class Trainer:
             self._start_tiny(checkpoint)
         self.client = RolloutClient(self.redis, self.keys, ClientConfig(
             policy=cfg.policy, trainer_id=cfg.trainer_id, group=cfg.group, consumer_index=cfg.dp_rank,
-            dp_size=cfg.dp_size, rollout=cfg.rollout), self.producer)
+            dp_size=cfg.dp_size, lease_ttl_s=cfg.lease_ttl_s, rollout=cfg.rollout), self.producer)
         self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
                                        self.producer, keep_versions=cfg.publish.keep_versions)
         self.step_log = StepLogger(cfg)
