@@ -5,7 +5,9 @@ passive subscriber that writes the policy's batches to a directory (also ``rollo
 record``). Retraining from an exported log is ``rollout-bus replay offline`` (also reachable
 as ``rollout-bus trainer offline``). Flags are parsed before torch or Redis clients are
 imported, so ``--help`` is instant. SIGTERM or SIGINT stops at once; the checkpoint written
-after every step is what a restart resumes from.
+after every step is what a restart resumes from. A trainer whose policy lease lapsed (it was
+paused or cut off longer than ``--lease-ttl-s``) stops with a ``deposed:`` line and exit status
+75 (``LeaseLost.exit_code``), having written nothing after the lapse.
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
         raise SystemExit(problem)
 
     from rollout_bus.events.connection import connect
+    from rollout_bus.events.errors import LeaseLost
     from rollout_bus.events.metrics import serve_metrics
     from rollout_bus.trainer.service import Trainer
 
@@ -205,6 +208,11 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
         trainer.start()
         state = trainer.run()
         logging.getLogger("trainer").info("done: %d steps, version %d", state.step, state.version)
+    except LeaseLost as exc:
+        logging.getLogger("trainer").error(
+            "deposed: trainer %s no longer holds the lease of policy %s (%s); it stops and writes nothing more "
+            "(exit %d)", config.trainer_id, config.policy, exc, LeaseLost.exit_code)
+        return LeaseLost.exit_code
     finally:
         trainer.stop()
         client.close()
