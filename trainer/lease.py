@@ -121,6 +121,8 @@ class PolicyLease:
         self._take = client.register_script(_TAKE)
         self._drop = client.register_script(_DROP)
         self._check = client.register_script(CHECK_ONLY)
+        self._check_guard = Guard(client, name=f"trainer lease check {policy}")
+        """The default reconnect budget, as the writes it stands in front of have (not the renewal's short one)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = threading.Event()
@@ -207,7 +209,8 @@ class PolicyLease:
         For writes outside Redis (a file renamed in): checked right before them."""
         self.check()
         try:
-            guarded(self.guard, lambda c: self._check(keys=self.fence.keys(), args=self.fence.args(), client=c))
+            guarded(self._check_guard, lambda c: self._check(keys=self.fence.keys(), args=self.fence.args(),
+                                                             client=c))
         except LeaseLost:
             self.lost.set()
             raise
