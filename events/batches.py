@@ -35,6 +35,7 @@ from redis.exceptions import NoScriptError
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
 from rollout_bus.events.connection import Durability, Guard, Redis, as_str, confirm_replicated
 from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
+from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys, check_name
 from rollout_bus.events.payload import make_store
 from rollout_bus.events.payload.base import PayloadStore, Reference, check_ref, make_ref
@@ -153,6 +154,7 @@ class BatchChannel:
         self._reserve = client.register_script(_RESERVE)
         self._publish = client.register_script(_PUBLISH)
         self._release = client.register_script(_RELEASE)
+        self._leased_release: Any = None  # the release bound to a lease (``release(lease=...)``), on first use
 
     # --- producing ---------------------------------------------------------------------
     def publish(self, policy: str, batch_id: str, tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
@@ -254,11 +256,12 @@ class BatchChannel:
             raise PayloadMissing(f"batch {event.batch_id} of policy {event.policy} "
                                  f"(rollout {event.rollout_id}): {exc}") from None
 
-    def release(self, event: BatchReady | Reference, group: str) -> bool:
+    def release(self, event: BatchReady | Reference, group: str, *, lease: LeaseFence | None = None) -> bool:
         """``group`` is done with the batch; returns True when this was the last reader and the payload is gone.
 
         Call it after acking the entry. Tensors already fetched stay valid; with the shm store,
         dropping them before the last release lets the segment be reused rather than unlinked.
+        With ``lease``, only while that lease holds (checked in the same script; ``LeaseLost`` otherwise).
         """
         reference = event.payload if isinstance(event, BatchReady) else event
         ref = check_ref(reference.get("ref"))
@@ -266,7 +269,12 @@ class BatchChannel:
         store = self.store_for(reference)
         inline = store.redis_keys(reference)
         script_keys = [self.keys.payload_readers(ref), self.keys.payload_index, self.keys.payload_stores, *inline]
-        last = self.guard.call(lambda c: self._release(keys=script_keys, args=[group, ref], client=c))
+        if lease is None:
+            last = self.guard.call(lambda c: self._release(keys=script_keys, args=[group, ref], client=c))
+        else:
+            script = self._leased_release = self._leased_release or self.client.register_script(leased(_RELEASE))
+            keys_, args_ = lease.keys(*script_keys), lease.args(group, ref)
+            last = guarded(self.guard, lambda c: script(keys=keys_, args=args_, client=c))
         if not last:
             return False
         if not inline:

@@ -30,6 +30,7 @@ import redis
 
 from rollout_bus.events.connection import Guard, Lane, as_str, is_busygroup, pack, raise_errors
 from rollout_bus.events.errors import DecodeError, RedisCommandError
+from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import entries_of, stream_entries
 from rollout_bus.events.schema import Event, decode
@@ -93,6 +94,7 @@ class Consumer:
         self._packed_reads: dict[tuple[str, int, int | None], bytes] = {}
         self._beat_due = 0.0
         self._beat = client.register_script(_BEAT)
+        self._leased_ack: Any = None  # XACK bound to a lease (``ack(lease=...)``), registered on first use
         self.dead_lettered = 0
 
     # --- group management -------------------------------------------------------------
@@ -269,10 +271,15 @@ class Consumer:
         return out
 
     # --- acknowledging ------------------------------------------------------------------
-    def ack(self, *ids: str) -> None:
+    def ack(self, *ids: str, lease: LeaseFence | None = None) -> None:
+        """XACK ``ids``; with ``lease``, only while that lease holds (checked in the same script, ``LeaseLost``)."""
         if not ids:
             return
-        if self._lane.direct:
+        if lease is not None:
+            script = self._leased_ack = self._leased_ack or self.client.register_script(leased(_ACK))
+            script_keys, script_args = lease.keys(self.stream), lease.args(self.group, *ids)
+            guarded(self.guard, lambda c: script(keys=script_keys, args=script_args, client=c))
+        elif self._lane.direct:
             packed = pack("XACK", self.stream, self.group, *ids)
             self.guard.call(lambda c: raise_errors(self._lane.execute(packed)))
         else:
@@ -392,3 +399,6 @@ local t = redis.call('TIME')
 redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
+
+# KEYS[1] stream; ARGV[1] group, ARGV[2..] entry ids (run through ``events.leased``: only while a lease holds).
+_ACK = "return redis.call('XACK', KEYS[1], unpack(ARGV))"

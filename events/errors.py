@@ -46,6 +46,14 @@ class Fenced(Failure):
     """A write carried a fencing token older than the current one: another controller took over."""
 
 
+class LeaseLost(Failure):
+    """A lease-bound write was refused: the writer's lease lapsed (it was paused, or cut off from Redis) and
+    it may have been taken by another. The writer is deposed: it must stop and write nothing more."""
+
+    exit_code = 75
+    """What a role's process exits with when it stops for this (launchers name it in their logs)."""
+
+
 class DecodeError(Failure):
     """An entry or payload could not be decoded; carries the raw data and the reason."""
 

@@ -29,6 +29,7 @@ from rollout_bus.events.connection import (
     pack,
     raise_errors,
 )
+from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys
 from rollout_bus.events.schema import FIELD, Event, Producer, encode_bytes
 
@@ -100,16 +101,20 @@ class Publisher:
         self._lane = Lane(client)
         self._dedupe_prefix: dict[str, str] = {}
         self.durability = durability(client)
+        self._leased: Any = None  # the publish script bound to a lease, registered on first use
 
     def publish(self, stream: str, event: Event, *, idempotency_key: str | None = None,
-                maxlen: int = 0, durable: bool = False) -> str:
+                maxlen: int = 0, durable: bool = False, lease: LeaseFence | None = None) -> str:
         """Append ``event``; the idempotency key defaults to the event id, so a retry is safe.
 
         ``durable``: return only once the replicas acknowledged it (``ReplicationTimeout`` if they do not).
+        ``lease``: append only while that lease holds, checked in the same script (``LeaseLost`` otherwise).
         """
         raw = encode_bytes(event)
         dedupe_key = self._dedupe_key(stream, idempotency_key or event.event_id)
         ttl_s = self.dedupe_ttl_s if idempotency_key else self.retry_ttl_s
+        if lease is not None:
+            return self._publish_leased(lease, stream, dedupe_key, (ttl_s, maxlen, FIELD, raw), durable)
         if not self._lane.direct or (durable and self.durability.replicas):
             return self._run([((stream, dedupe_key), (ttl_s, maxlen, FIELD, raw))], durable)[0]
         # the hot path: one packed EVALSHA on the kept connection, no per-call lists or closures
@@ -158,6 +163,32 @@ class Publisher:
         for k, v in fields.items():
             args += [k, v]
         return self._run([(script_keys, args)], durable)[0]
+
+    def _publish_leased(self, lease: LeaseFence, stream: str, dedupe_key: str, args: tuple[Any, ...],
+                        durable: bool) -> str:
+        """One publish bound to ``lease`` (``events.leased``): the lease check, the dedupe and the XADD in one
+        script; refused with ``LeaseLost`` once the lease lapsed, whoever holds it now."""
+        if self._leased is None:
+            self._leased = self.client.register_script(leased(_PUBLISH))
+        script, d = self._leased, self.durability
+        script_keys, script_args = lease.keys(stream, dedupe_key), lease.args(*args)
+        if not (durable and d.replicas):
+            return as_str(guarded(self.guard, lambda c: script(keys=script_keys, args=script_args, client=c)))
+
+        def attempt() -> tuple[Any, int]:
+            def both(c: redis.Redis) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                script(keys=script_keys, args=script_args, client=pipe)
+                pipe.execute_command("WAIT", d.replicas, d.timeout_ms)
+                return pipe.execute()  # type: ignore[no-any-return]
+            reply, acks = guarded(self.guard, both)
+            return reply, int(acks)
+        return as_str(confirm_replicated(d, f"publish to {stream}", attempt))
+
+    def entry_for(self, stream: str, idempotency_key: str) -> str | None:
+        """The entry an earlier publish under ``idempotency_key`` made (while its dedupe key lives), else None."""
+        found = self.guard.call(lambda c: c.get(self._dedupe_key(stream, idempotency_key)))
+        return as_str(found) if found is not None else None
 
     def close(self) -> None:
         """Give the publisher's connection back to the client's pool (a later publish takes one again)."""

@@ -367,7 +367,7 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
     from tqdm import tqdm
 
     from rollout_bus.events.errors import BusError
-    from rollout_bus.launch.procs import GaveUp
+    from rollout_bus.launch.procs import GaveUp, exit_text
     from rollout_bus.launch.report import RunLog
 
     runlog = RunLog()
@@ -391,7 +391,7 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                                  for s in runlog.policies.values() if s.rewards})
             try:
                 for child in procs.supervise():
-                    tqdm.write(f"{child.name} exited with {child.exits[-1]}: restarted "
+                    tqdm.write(f"{child.name} exited with {exit_text(child.exits[-1])}: restarted "
                                f"({child.restarts}/{child.policy.budget})")
             except GaveUp as exc:
                 raise RunFailed(str(exc)) from None

@@ -27,8 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout_bus.events import processes
+from rollout_bus.events.errors import LeaseLost
 
 log = logging.getLogger(__name__)
+
+
+def exit_text(status: int | None) -> str:
+    """An exit status as the run reports it: named when it says why (a deposed role)."""
+    if status == LeaseLost.exit_code:
+        return f"{status} (deposed: its lease lapsed while it was paused or cut off; it wrote nothing after)"
+    return str(status)
 
 
 @dataclass(frozen=True)
@@ -131,12 +139,12 @@ class ProcessSet:
                 status = child.proc.returncode
                 child.exits.append(status)
                 if child.restarts >= policy.budget:
-                    raise GaveUp(f"{child.name} exited with {status} after {child.restarts} restart(s) "
+                    raise GaveUp(f"{child.name} exited with {exit_text(status)} after {child.restarts} restart(s) "
                                  f"(budget {policy.budget}):\n{child.tail()}")
                 delay = policy.delay(child.restarts)
                 child.restart_at = now + delay
                 log.warning("%s (pid %d) exited with %s: restarting it in %.1fs (restart %d of %d)", child.name,
-                            child.pid, status, delay, child.restarts + 1, policy.budget)
+                            child.pid, exit_text(status), delay, child.restarts + 1, policy.budget)
             if now >= child.restart_at:
                 child.restarts += 1
                 child.restart_at = None

@@ -20,6 +20,9 @@ headers across shards; ``adapter_problems`` says why an adapter does not fit a b
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import hashlib
 import json
 import os
@@ -162,31 +165,84 @@ def read_manifest(directory: Path) -> tuple[Manifest, str]:
 
 
 def write_weights_dir(final: Path, fill: Callable[[Path], object], *, threads: int = DEFAULT_THREADS,
-                      replace: bool = False) -> str:
+                      replace: bool = False, same_ok: bool = False,
+                      before_rename: Callable[[], object] | None = None) -> str:
     """Write a version directory atomically: ``fill(tmp)`` writes the files into a temporary sibling,
     the manifest is added, then the directory is renamed to ``final``. Returns the manifest sha256.
 
-    An existing ``final`` is an error unless ``replace`` (then the old one is removed after the rename).
+    An existing ``final`` is an error (``FileExistsError``) unless ``replace`` (then the old one is
+    removed after the rename), or ``same_ok`` and its manifest is the one just written (then nothing
+    changes: saving a version again with the same bytes). Without ``replace`` the rename never
+    replaces anything (``rename_noreplace``), even a directory that appeared while the files were
+    written. ``before_rename`` runs once the files are written, right before the comparison and the
+    rename (a writer's lease check): what it raises aborts the write and leaves nothing behind.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists() and not replace:
+    if final.exists() and not (replace or same_ok):
         raise FileExistsError(f"{final} exists; a published version is never rewritten")
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         fill(tmp)
         digest = write_manifest(tmp, threads=threads)
-        if final.exists():
+        if before_rename is not None:
+            before_rename()
+        if same_ok and not replace and final.exists():
+            existing = _manifest_digest(final)
+            if existing == digest:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return digest
+            raise FileExistsError(f"{final} exists with other content (manifest sha256 {existing}, this write "
+                                  f"{digest}); a published version is never rewritten")
+        if replace and final.exists():
             old = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.old")
             os.rename(final, old)
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.rename(tmp, final)
+            rename_noreplace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return digest
+
+
+def _manifest_digest(directory: Path) -> str | None:
+    try:
+        return read_manifest(directory)[1]
+    except (OSError, WeightsError):
+        return None
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists (``FileExistsError``), atomically where the kernel can
+    (``renameat2(RENAME_NOREPLACE)``); elsewhere a check then ``os.rename``, which replaces at most an empty
+    directory that appeared between the two."""
+    libc = _libc()
+    rename2 = getattr(libc, "renameat2", None) if libc is not None else None
+    if rename2 is not None:
+        if rename2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(errno.EEXIST, f"{dst} exists; it is never replaced", str(dst))
+        if err not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: a filesystem without the flag
+            raise OSError(err, os.strerror(err), str(src))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, f"{dst} exists; it is never replaced", str(dst))
+    os.rename(src, dst)
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 # --- checking a directory ----------------------------------------------------------------------

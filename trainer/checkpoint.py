@@ -3,7 +3,9 @@
 One file, written to a temporary name, fsynced and renamed over the previous one, so a
 trainer killed at any instant finds either the old checkpoint or the new one, never a
 mix. Batches are acked only after the checkpoint that records them, so a restarted
-trainer skips-and-acks every batch the checkpoint lists and trains every other one.
+trainer skips-and-acks every batch the checkpoint lists and trains every other one. The
+rename waits for ``before_replace`` (the trainer's lease check), so a deposed trainer never
+puts its checkpoint in place of its successor's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,8 +95,10 @@ class CheckpointStore:
         return self.path.is_file()
 
     def save(self, state: TrainerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-             model_state: dict[str, torch.Tensor] | None = None) -> Path:
-        """``model_state``: the tensors to keep instead of the whole ``state_dict`` (a LoRA adapter's)."""
+             model_state: dict[str, torch.Tensor] | None = None,
+             before_replace: Callable[[], object] | None = None) -> Path:
+        """``model_state``: the tensors to keep instead of the whole ``state_dict`` (a LoRA adapter's).
+        ``before_replace`` runs right before the new file is renamed in; what it raises leaves the old one."""
         self.directory.mkdir(parents=True, exist_ok=True)
         config = getattr(model, "config", None)
         payload = {"state": state.to_dict(), "model": model.state_dict() if model_state is None else model_state, "optimizer": optimizer.state_dict(),
@@ -104,6 +109,8 @@ class CheckpointStore:
                 torch.save(payload, f)
                 f.flush()
                 os.fsync(f.fileno())
+            if before_replace is not None:
+                before_replace()
             os.replace(tmp_name, self.path)
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)

@@ -5,7 +5,9 @@ passive subscriber that writes the policy's batches to a directory (also ``rollo
 record``). Retraining from an exported log is ``rollout-bus replay offline`` (also reachable
 as ``rollout-bus trainer offline``). Flags are parsed before torch or Redis clients are
 imported, so ``--help`` is instant. SIGTERM or SIGINT stops at once; the checkpoint written
-after every step is what a restart resumes from.
+after every step is what a restart resumes from. A trainer whose policy lease lapsed (it was
+paused or cut off longer than ``--lease-ttl-s``) stops with a ``deposed:`` line and exit status
+75 (``LeaseLost.exit_code``), having written nothing after the lapse.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dp-size", type=int, default=1)
     t.add_argument("--dp-strategy", choices=DP_STRATEGIES, default="shared-group")
     t.add_argument("--torch-threads", type=int, default=1)
+    t.add_argument("--lease-ttl-s", type=float, default=30.0,
+                   help="the policy lease lapses this long after the trainer stops renewing it (a pause longer "
+                        "than this deposes the trainer; another may then take the policy)")
     h = t.add_argument_group("Hugging Face models (--model-path a HF directory)")
     h.add_argument("--lora", default=None, metavar="R,ALPHA",
                    help="train a LoRA adapter of rank R and scale ALPHA (peft) on the frozen model and publish "
@@ -139,7 +144,7 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
         redis_url=ns.redis_url, steps=ns.steps, seed=ns.seed, model_path=ns.model_path,
         initial_version=ns.initial_version, checkpoint_dir=ns.checkpoint_dir, dp_rank=ns.dp_rank,
         dp_size=ns.dp_size, dp_strategy=ns.dp_strategy, get_timeout_s=ns.get_timeout_s,
-        torch_threads=ns.torch_threads,
+        torch_threads=ns.torch_threads, lease_ttl_s=ns.lease_ttl_s,
         rollout=RolloutConfig(n_groups=ns.n_groups, n_samples_per_group=ns.n_samples, std_normalise=ns.std_normalise,
                               max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
                               timeout_s=ns.rollout_timeout_s, data=data),
@@ -191,6 +196,7 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
         raise SystemExit(problem)
 
     from rollout_bus.events.connection import connect
+    from rollout_bus.events.errors import LeaseLost
     from rollout_bus.events.metrics import serve_metrics
     from rollout_bus.trainer.service import Trainer
 
@@ -204,6 +210,11 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
         trainer.start()
         state = trainer.run()
         logging.getLogger("trainer").info("done: %d steps, version %d", state.step, state.version)
+    except LeaseLost as exc:
+        logging.getLogger("trainer").error(
+            "deposed: trainer %s no longer holds the lease of policy %s (%s); it stops and writes nothing more "
+            "(exit %d)", config.trainer_id, config.policy, exc, LeaseLost.exit_code)
+        return LeaseLost.exit_code
     finally:
         trainer.stop()
         client.close()

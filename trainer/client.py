@@ -11,21 +11,26 @@ after the training step: ``BatchConsumed`` (once per group and batch), the paylo
 then ``XACK`` last, so a crash anywhere before it only means the batch comes back.
 
 ``start`` takes the policy's trainer lease (``trainer.lease``): a second trainer of the same
-policy is refused unless it is a data-parallel rank of the same trainer.
+policy is refused unless it is a data-parallel rank of the same trainer. Every write of the
+client is bound to that lease: ``TrainerJoined``, ``BatchConsumed``, the payload's release and the
+``XACK`` each check it in the same script as the write; requests and reads ask the server first.
+A trainer paused past its lease gets ``LeaseLost`` at its next write and writes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
-from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
+from rollout_bus.events.errors import DecodeError, InvalidRequest, LeaseLost, PayloadMissing
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.rollouts import MAX_REQUEST_ID, RolloutRequest, SamplingParams
@@ -112,9 +117,10 @@ class RolloutClient:
         missed) and join."""
         self.lease.acquire()
         self.consumer.ensure_group()
-        self.publisher.publish(self.keys.trainer_stream, TrainerJoined(
-            producer=self.producer, policy=self.config.policy, trainer_id=self.config.trainer_id,
-            group=self.config.group))
+        with self._deposed_on_refusal():
+            self.publisher.publish(self.keys.trainer_stream, TrainerJoined(
+                producer=self.producer, policy=self.config.policy, trainer_id=self.config.trainer_id,
+                group=self.config.group), lease=self.lease.fence)
 
     def stop(self) -> None:
         self._buffer.clear()
@@ -146,6 +152,7 @@ class RolloutClient:
             sampling=SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens,
                                     stop_token_ids=r.stop_token_ids or (EOS_ID,)),
             request_id=request_id, data=dict(r.data), std_normalise=r.std_normalise, returned=list(returned or []))
+        self.lease.verify()  # a deposed trainer asks for nothing more (a repeat is a no-op anyway)
         self.submitter.submit(request)
         return request
 
@@ -155,9 +162,10 @@ class RolloutClient:
 
         Batches waiting in the buffer are touched every third of ``claim_idle_ms``: a claim would
         hand them to another consumer, or back to this one with one more delivery counted, until
-        ``max_deliveries`` dead-lettered a batch nothing is wrong with.
+        ``max_deliveries`` dead-lettered a batch nothing is wrong with. The lease is asked first: a
+        deposed trainer takes no entry of the group into its hands.
         """
-        self.lease.check()
+        self.lease.verify()
         now = time.monotonic()
         if self._buffer and (now - self._touched) * 1000 >= self.config.claim_idle_ms / 3:
             self.consumer.touch(*self._buffer)
@@ -234,16 +242,28 @@ class RolloutClient:
         Each step may run again without effect (the event is deduplicated by group and batch, a
         release by a group that released already changes nothing), and the XACK comes last: a
         crash anywhere before it means the entry is delivered again and the steps complete then.
+        Each step runs only while the lease holds (``LeaseLost``, and nothing written, otherwise).
         """
-        self.publisher.publish(self.keys.trainer_stream, BatchConsumed(
-            producer=self.producer, policy=self.config.policy, batch_id=batch.batch_id,
-            trainer_id=self.config.trainer_id, staleness=staleness, accepted=accepted, reason=reason),
-            idempotency_key=f"consumed.{self.config.group}.{batch.batch_id}")
+        fence = self.lease.fence
+        with self._deposed_on_refusal():
+            self.publisher.publish(self.keys.trainer_stream, BatchConsumed(
+                producer=self.producer, policy=self.config.policy, batch_id=batch.batch_id,
+                trainer_id=self.config.trainer_id, staleness=staleness, accepted=accepted, reason=reason),
+                idempotency_key=f"consumed.{self.config.group}.{batch.batch_id}", lease=fence)
+            try:
+                self.payloads.release(batch.event, self.config.group, lease=fence)
+            except DecodeError as exc:  # a reference no store here can open: the janitor sweeps it by age
+                log.warning("batch %s: payload not released: %s", batch.batch_id, exc.reason)
+            self.consumer.ack(batch.message_id, lease=fence)
+
+    @contextlib.contextmanager
+    def _deposed_on_refusal(self) -> Iterator[None]:
+        """A leased write refused: remember it, so every later check fails at once."""
         try:
-            self.payloads.release(batch.event, self.config.group)
-        except DecodeError as exc:  # a reference no store here can open: the janitor sweeps it by age
-            log.warning("batch %s: payload not released: %s", batch.batch_id, exc.reason)
-        self.consumer.ack(batch.message_id)
+            yield
+        except LeaseLost:
+            self.lease.lost.set()
+            raise
 
 
 def request_prefix(trainer_id: str, room: int = 24) -> str:

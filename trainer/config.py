@@ -161,6 +161,9 @@ class TrainerConfig:
     get_timeout_s: float = 600.0
     """A step that gets no batch for this long fails the run."""
     torch_threads: int = 1
+    lease_ttl_s: float = 30.0
+    """The policy lease (``trainer.lease``) lapses this long after the trainer stopped renewing it: a trainer
+    paused longer than this is deposed, and another may take the policy over."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
@@ -225,6 +228,8 @@ class TrainerConfig:
             problems.append(f"loss.tis_cap must be >= 0 (0 disables it), got {self.loss.tis_cap}")
         if self.initial_version < 0:
             problems.append(f"initial_version must be >= 0, got {self.initial_version}")
+        if self.lease_ttl_s <= 0:
+            problems.append(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.get_timeout_s <= 0 or r.timeout_s <= 0 or self.publish.serving_timeout_s <= 0:
             problems.append("timeouts must be > 0")
         problems += log_problems(self.log)

@@ -8,6 +8,13 @@ other's version. So a trainer takes ``keys.trainer_lease(policy)`` before it joi
 trainer and data-parallel size join; anyone else is refused with a message that names the
 holder. A holder that died on this host (its pid is gone) is replaced at once; one on another
 host is waited for until its lease lapses (``wait_s``), then the newcomer is refused.
+
+A lease that lapsed is lost for good: renewal extends only a rank field that still carries this
+holder's token and has not lapsed, so a trainer paused past its ttl never takes the policy back
+behind the back of one that took it meanwhile (or released it since). Every write of the trainer is
+bound to the lease (``fence``, ``events.leased``): its events, acks and payload releases check the
+token in the same script as the write, and its files (weight versions, checkpoints) are renamed in
+only after ``verify`` asked the server. A deposed trainer gets ``LeaseLost`` and stops.
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ from dataclasses import dataclass
 
 from rollout_bus.events import processes
 from rollout_bus.events.connection import Guard, ReconnectPolicy, Redis, as_str
-from rollout_bus.events.errors import BusError, InvalidRequest
+from rollout_bus.events.errors import BusError, InvalidRequest, LeaseLost
+from rollout_bus.events.leased import CHECK_ONLY, LeaseFence, guarded
 from rollout_bus.events.names import Keys
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] lease hash; ARGV[1] owner, ARGV[2] rank, ARGV[3] token, ARGV[4] ttl ms, ARGV[5] holder.
+# KEYS[1] lease hash; ARGV[1] owner, ARGV[2] rank, ARGV[3] token, ARGV[4] ttl ms, ARGV[5] holder, ARGV[6] '1' to
+# renew only (a rank field of this token that has not lapsed), '0' to take.
 # Returns {1, owner, ''} when held (taken or renewed), else {0, the owner holding it, the rank's value}.
 _TAKE = """
 local t = redis.call('TIME')
@@ -49,6 +58,7 @@ for i = 1, #all, 2 do
   end
 end
 if alive > 0 and owner ~= ARGV[1] then return {0, owner or '', ''} end
+if ARGV[6] == '1' and not mine then return {0, owner or '', ''} end
 if mine and string.match(mine, '^([^|]*)|') ~= ARGV[3] then return {0, owner or '', mine} end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'r' .. ARGV[2], ARGV[3] .. '|' .. (now + tonumber(ARGV[4])) .. '|' .. ARGV[5])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]))
@@ -72,8 +82,7 @@ class PolicyTaken(InvalidRequest):
     """Another trainer holds the policy; the message says which and what to do."""
 
 
-class LeaseLost(BusError):
-    """This trainer's policy lease lapsed and someone else took it: it must stop training."""
+__all__ = ["Holder", "LeaseLost", "PolicyLease", "PolicyTaken"]
 
 
 @dataclass(frozen=True)
@@ -111,14 +120,22 @@ class PolicyLease:
         self.guard = Guard(client, ReconnectPolicy(max_wait_s=max(1.0, ttl_s / 3)), name=f"trainer lease {policy}")
         self._take = client.register_script(_TAKE)
         self._drop = client.register_script(_DROP)
+        self._check = client.register_script(CHECK_ONLY)
+        self._check_guard = Guard(client, name=f"trainer lease check {policy}")
+        """The default reconnect budget, as the writes it stands in front of have (not the renewal's short one)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = threading.Event()
 
-    def _try(self) -> tuple[bool, str, str]:
-        held, owner, value = self.guard.call(lambda c: self._take(
-            keys=[self.key], args=[self.owner, self.rank, self.token, self.ttl_ms, f"{self.host}:{os.getpid()}"],
-            client=c))
+    @property
+    def fence(self) -> LeaseFence:
+        """What a write bound to this lease carries (``events.leased``)."""
+        return LeaseFence(self.key, f"r{self.rank}", self.token)
+
+    def _try(self, *, renew: bool = False) -> tuple[bool, str, str]:
+        args: list[str | int] = [self.owner, self.rank, self.token, self.ttl_ms, f"{self.host}:{os.getpid()}",
+                                 int(renew)]
+        held, owner, value = self.guard.call(lambda c: self._take(keys=[self.key], args=args, client=c))
         return bool(held), as_str(owner), as_str(value)
 
     def acquire(self) -> None:
@@ -170,18 +187,33 @@ class PolicyLease:
         period = self.ttl_ms / 3000
         while not self._stop.wait(period):
             try:
-                held, owner, _ = self._try()
+                held, owner, _ = self._try(renew=True)
             except BusError as exc:
                 log.warning("renewing the trainer lease of %s failed: %s", self.policy, exc)
                 continue
             if not held:
-                log.error("the trainer lease of policy %s was taken by %s: this trainer must stop", self.policy, owner)
+                log.error("the trainer lease of policy %s lapsed (%s): this trainer is deposed and must stop",
+                          self.policy, f"now held by {owner}" if owner else "no holder now")
                 self.lost.set()
                 return
 
     def check(self) -> None:
+        """``LeaseLost`` when the renewal thread found the lease lapsed (no round trip)."""
         if self.lost.is_set():
-            raise LeaseLost(f"the lease on policy {self.policy!r} lapsed and another trainer took it")
+            raise LeaseLost(f"its lease on policy {self.policy!r} lapsed while it was paused or cut off longer than "
+                            f"its ttl ({self.ttl_ms / 1000:g}s)")
+
+    def verify(self) -> None:
+        """Ask the server whether this holder's lease still holds (its token, not lapsed); ``LeaseLost`` if not.
+
+        For writes outside Redis (a file renamed in): checked right before them."""
+        self.check()
+        try:
+            guarded(self._check_guard, lambda c: self._check(keys=self.fence.keys(), args=self.fence.args(),
+                                                             client=c))
+        except LeaseLost:
+            self.lost.set()
+            raise
 
     def release(self) -> None:
         self._stop.set()

@@ -14,7 +14,8 @@ Modes (DESIGN.md section 2):
 
 One step: train, save the weights file of ``v+1``, checkpoint (model, optimiser, trained
 batch ids, step, version; atomically), then ack the batch (``BatchConsumed``), then
-``WeightsPublished`` and ``TrainStepDone``. A restarted trainer loads the checkpoint,
+``WeightsPublished`` and ``TrainStepDone``. Every one of these writes is bound to the policy
+lease (``trainer.lease``): a trainer paused past it gets ``LeaseLost`` at the next one and stops. A restarted trainer loads the checkpoint,
 re-reads its pending batches first, skips-and-acks those the checkpoint lists and
 republishes its version if the crash came before the announcement.
 """
@@ -107,9 +108,10 @@ class Trainer:
             self._start_tiny(checkpoint)
         self.client = RolloutClient(self.redis, self.keys, ClientConfig(
             policy=cfg.policy, trainer_id=cfg.trainer_id, group=cfg.group, consumer_index=cfg.dp_rank,
-            dp_size=cfg.dp_size, rollout=cfg.rollout), self.producer)
+            dp_size=cfg.dp_size, lease_ttl_s=cfg.lease_ttl_s, rollout=cfg.rollout), self.producer)
         self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
-                                       self.producer, keep_versions=cfg.publish.keep_versions)
+                                       self.producer, keep_versions=cfg.publish.keep_versions,
+                                       lease=self.client.lease)
         self.step_log = StepLogger(cfg)
         self.client.start()
         state = self._st()
@@ -397,7 +399,7 @@ class Trainer:
         metrics["weights_save_ms"] = (time.perf_counter() - t1) * 1000
         if self.store is not None:
             self.store.save(state, self.model, learner.optimizer, model_state=None if isinstance(learner, Learner)
-                            else _trainable_state(self.model))
+                            else _trainable_state(self.model), before_replace=client.lease.verify)
         metrics["save_ms"] = (time.perf_counter() - t1) * 1000
         for after in self.after_checkpoint:
             after(state)
@@ -446,7 +448,7 @@ class Trainer:
         self.publisher.publish(self.keys.trainer_stream, TrainStepDone(
             producer=self.producer, policy=cfg.policy, trainer_id=cfg.trainer_id, step=state.step,
             weight_version=state.version, metrics=metrics),
-            idempotency_key=f"step.{cfg.trainer_id}.{state.run_id}.{state.step}")
+            idempotency_key=f"step.{cfg.trainer_id}.{state.run_id}.{state.step}", lease=self._cl().lease.fence)
 
     # --- accessors -------------------------------------------------------------------------
     def _st(self) -> TrainerState:

@@ -6,7 +6,13 @@ output (sharded with an index past ``max_shard_size``, the tokenizer beside it w
 a ``PeftModel``'s LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``: the
 controller serves that policy as an adapter on the base pool). ``manifest.json`` lists every
 file's size and sha256; the event's ``sha256`` is the manifest's. The directory is written
-under a temporary name and renamed, so a partial version is never visible. The event's
+under a temporary name and renamed, so a partial version is never visible. A published version
+is immutable: the rename never replaces a directory (``lm.files.rename_noreplace``); saving it
+again with the same bytes changes nothing, with other bytes is an error. With the trainer's
+``lease`` the rename happens only after the server confirmed the lease, and the event is
+bound to it (``events.leased``). A directory of a version never announced (its writer crashed,
+or was deposed, between the rename and ``WeightsPublished``) is moved aside by the lease holder
+before it writes its own. The event's
 idempotency key is ``weights.<policy>.<version>``, so publishing a version again after a
 restart never adds a second event. ``wait_serving`` then waits until the controller
 announces ``WeightVersionServing`` for that version or a newer one (or the registry says
@@ -24,6 +30,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -42,9 +49,10 @@ from rollout_bus.events.schema import (
     WeightVersionServing,
     decode,
 )
-from rollout_bus.lm.files import read_manifest, write_weights_dir
+from rollout_bus.lm.files import read_manifest, rename_noreplace, write_weights_dir
 from rollout_bus.lm.hf import save_pretrained
 from rollout_bus.lm.model import TinyLM, save_weights
+from rollout_bus.trainer.lease import PolicyLease
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +78,10 @@ class WeightPublisher:
     """Saves and announces the weight versions of one policy."""
 
     def __init__(self, client: Redis, keys: Keys, policy: str, weights_root: str | Path, producer: Producer,
-                 *, keep_versions: int = 4) -> None:
+                 *, keep_versions: int = 4, lease: PolicyLease | None = None) -> None:
         self.client = client
+        self.lease = lease
+        """The trainer's policy lease: every version directory and ``WeightsPublished`` is bound to it."""
         self.keys = keys
         self.policy = policy
         self.root = Path(weights_root)
@@ -104,11 +114,39 @@ class WeightPublisher:
 
     def save_dir(self, version: int, fill: Callable[[Path], object]) -> tuple[Path, str]:
         """Write version ``version`` with ``fill(tmp)`` (any layout of ``lm.files``), atomically, with its
-        manifest; return the directory and the manifest's sha256. Saving a version again replaces it."""
+        manifest; return the directory and the manifest's sha256.
+
+        Renamed in only while the lease holds, never over an existing directory: saving a version again
+        with the same bytes is a no-op, with other bytes ``FileExistsError`` (a deposed writer); a
+        directory of a version never announced is moved aside first (see the module docstring)."""
         directory = version_dir(self.root, self.policy, version)
-        digest = write_weights_dir(directory, fill, replace=True)
+        if directory.exists() and not self._announced(version):
+            self._set_aside(directory)
+        digest = write_weights_dir(directory, fill, same_ok=True, before_rename=self._verify_lease)
         self._saved = (version, digest)
         return directory, digest
+
+    def _verify_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.verify()
+
+    def _announced(self, version: int) -> bool:
+        """Whether ``version`` was announced: its ``WeightsPublished`` dedupe key, or the controller's record."""
+        if self.publisher.entry_for(self.keys.weight_stream, self._publish_key(version)) is not None:
+            return True
+        return self.published_version() >= version
+
+    def _set_aside(self, directory: Path) -> None:
+        """Move away the directory of a version nobody announced (only the lease holder may announce it)."""
+        self._verify_lease()
+        aside = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}.unannounced")
+        log.warning("%s was never announced (its writer stopped before WeightsPublished): moved aside to write "
+                    "this version again", directory)
+        rename_noreplace(directory, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def _publish_key(self, version: int) -> str:
+        return f"weights.{self.policy}.{version}"
 
     def publish(self, model: Any | None, version: int, *, tokenizer: Any = None,
                 max_shard_size: str | int | None = None) -> Published:
@@ -129,8 +167,8 @@ class WeightPublisher:
         uri = str(directory.resolve())
         event = WeightsPublished(producer=self.publisher.producer, policy=self.policy, version=version,
                                  uri=uri, sha256=digest)
-        entry_id = self.publisher.publish(self.keys.weight_stream, event,
-                                          idempotency_key=f"weights.{self.policy}.{version}", durable=True)
+        entry_id = self.publisher.publish(self.keys.weight_stream, event, idempotency_key=self._publish_key(version),
+                                          durable=True, lease=self.lease.fence if self.lease is not None else None)
         log.debug("published %s v%d (%s)", self.policy, version, entry_id)
         self._published.append(version)
         self._prune()
