@@ -9,9 +9,18 @@ event: a reader that reacts to an event finds the registry already saying so.
 Blocking reads (``WeightsPublished`` and offload/onload commands) use their own
 threads through ``asyncio.to_thread`` with a short block, so stopping is prompt.
 
-Registry writes carry the controller's fencing token (``fence``): a write refused because
-another controller took the lease raises ``Fenced`` and sets ``fenced``, which the leader
-runner takes as the signal to step down.
+Registry writes carry the controller's fencing token (``fence``) and its lease owner
+(``holder``): a write refused because another controller took the lease raises ``Fenced`` and
+sets ``fenced``, which the leader runner takes as the signal to check the lease again. So does
+an engine's fenced reply (``controller.core``). Once ``fenced`` is set this bus writes nothing
+more (registry, events, acks): what the refusal means is the runner's to decide, and until it
+has, nothing this instance would write can be trusted.
+
+At takeover (``take_over``) the new leader claims every entry still pending in the controller
+group on the weights and commands streams, whoever's consumer holds it (XAUTOCLAIM, min idle 0):
+a leader that died after reading ``WeightsPublished`` and before acting leaves it there, and the
+trainer waits for that version. Within one tenure, a redelivered entry of its own that is still
+in flight is skipped by id.
 """
 
 from __future__ import annotations
@@ -40,16 +49,15 @@ GROUP = "controller"
 
 class ControllerBus:
     def __init__(self, client: Redis, keys: Keys, producer: Producer, instance: str, *,
-                 fence: int | None = None) -> None:
+                 fence: int | None = None, holder: str | None = None) -> None:
         self.client = client
         self.keys = keys
         self.producer = producer
-        self.registry = Registry(client, keys, fence=fence)
+        self.registry = Registry(client, keys, fence=fence, holder=holder)
         self.fenced = asyncio.Event()
         self.publisher = Publisher(client, keys, producer)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="controller-redis")
-        # A long claim idle: one active controller per namespace owns these groups; a
-        # redelivered entry of its own that is still in flight is skipped by id.
+        # A long claim idle: entries of a predecessor are claimed at takeover (``take_over``), not by idling
         config = ConsumerConfig(block_ms=200, count=16, claim_idle_ms=600_000, auto_ack=False)
         name = stable_consumer_name(f"controller-{instance}")
         self.weights = Consumer(client, keys, keys.weight_stream, GROUP, name, config)
@@ -57,6 +65,8 @@ class ControllerBus:
 
     # --- writes, in order, off the loop -----------------------------------------------------
     async def call(self, fn: Callable[[], T]) -> T:
+        if self.fenced.is_set():
+            raise Fenced("this controller was fenced: it writes nothing until its lease is checked again")
         try:
             return await asyncio.get_running_loop().run_in_executor(self._writer, fn)
         except (RedisCommandError, Fenced) as exc:
@@ -113,6 +123,13 @@ class ControllerBus:
     async def ack_commands(self, *ids: str) -> None:
         await self.call(lambda: self.commands.ack(*ids))
 
+    async def take_over(self) -> int:
+        """Claim every entry pending in the controller group on the weights and commands streams (a
+        predecessor's included) for this instance's consumers, before their first read; how many."""
+        def claim() -> int:
+            return sum(_claim_all(consumer) for consumer in (self.weights, self.commands))
+        return await self.call(claim)
+
     async def snapshot(self) -> tuple[list[Event], dict[str, EngineRecord], dict[str, PolicyRecord]]:
         """The engine event log, the engine records and the policy records, as they are now."""
         def read() -> tuple[list[Event], dict[str, EngineRecord], dict[str, PolicyRecord]]:
@@ -128,3 +145,24 @@ class ControllerBus:
     def close(self, *, wait: bool = True) -> None:
         """Stop the writer thread; ``wait`` False leaves a write stuck on an unreachable Redis behind."""
         self._writer.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _claim_all(consumer: Consumer) -> int:
+    """XAUTOCLAIM with min idle 0 over the whole pending list of ``consumer``'s group, to ``consumer``: the entries
+    are then its own pending ones, which its first read hands out. Entries trimmed meanwhile are acked."""
+    claimed, start = 0, "0-0"
+    consumer.ensure_group()
+    while True:
+        reply = consumer.guard.call(lambda c, s=start: c.xautoclaim(  # type: ignore[misc]
+            consumer.stream, consumer.group, consumer.name, min_idle_time=0, start_id=s, count=100))
+        if not reply:
+            return claimed
+        start = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        claimed += len(reply[1])
+        deleted = list(reply[2]) if len(reply) > 2 else []
+        if deleted:
+            consumer.guard.call(lambda c, d=deleted: c.xack(consumer.stream, consumer.group, *d))  # type: ignore[misc]
+        if start == "0-0":
+            if claimed:
+                log.info("took over %d pending entries of %s (group %s)", claimed, consumer.stream, consumer.group)
+            return claimed

@@ -108,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio
     import signal
 
+    from rollout_bus.controller.launched import Launched
     from rollout_bus.controller.lease import Lease, owner_token
     from rollout_bus.controller.runner import LeaderRunner
     from rollout_bus.controller.service import InferenceController
     from rollout_bus.events.connection import connect
     from rollout_bus.events.names import Keys
+    from rollout_bus.events.registry import Registry
 
     async def run() -> None:
         client = connect(config.redis_url)
@@ -120,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        lease = Lease(client, Keys(config.namespace).controller_lease, owner_token(config.instance),
-                      config.lease_ttl_s)
-        runner = LeaderRunner(lease, lambda: InferenceController(config, client, fence=lease.token),
-                              config.lease_ttl_s)
+        keys = Keys(config.namespace)
+        lease = Lease(client, keys.controller_lease, owner_token(config.instance), config.lease_ttl_s)
+        launched = Launched.in_dir(config.log_dir)  # one record for every service this process runs
+        runner = LeaderRunner(lease, lambda: InferenceController(config, client, fence=lease.token, holder=lease.owner,
+                                                                 launched=launched),
+                              config.lease_ttl_s, launched=launched, registry=Registry(client, keys))
         try:
             await runner.run(stop)
         finally:

@@ -5,6 +5,12 @@ against the state machine, updates the metrics, and writes the engine's registry
 record and its event (record first). ``Core.operate`` is the per-engine critical
 section for anything that changes an engine (update, offload, restart); health
 results gathered across one are discarded.
+
+An engine's fenced reply (409: a token newer than ours was seen) is no engine failure: it sets
+``bus.fenced`` (and ``fence_highest``) before it is raised, which stops every write and restart
+of this instance until the leader runner has checked the lease (``controller.runner``). A highest
+token beyond any the counter can hold (``lease.MAX_TOKEN``) was never a controller's: that reply is
+left an ordinary refusal, and the engine is treated like a failing one.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from typing import Any
 
 from rollout_bus.controller.bus import ControllerBus
 from rollout_bus.controller.config import ControllerConfig
+from rollout_bus.controller.launched import Launched
+from rollout_bus.controller.lease import MAX_TOKEN
 from rollout_bus.controller.metrics import ControllerMetrics
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.versions import VersionBook
-from rollout_bus.engine.http_client import EngineClient
+from rollout_bus.engine.http_client import EngineClient, EngineHTTPError
 from rollout_bus.events.registry import EngineState, PolicyRecord
 from rollout_bus.events.schema import Event, Producer
 
@@ -30,7 +38,7 @@ log = logging.getLogger(__name__)
 
 class Core:
     def __init__(self, config: ControllerConfig, bus: ControllerBus, metrics: ControllerMetrics,
-                 log_dir: Path, *, fence: int | None = None) -> None:
+                 log_dir: Path, *, fence: int | None = None, launched: Launched | None = None) -> None:
         self.config = config
         self.fence = fence
         self.bus = bus
@@ -40,13 +48,54 @@ class Core:
         self.book = VersionBook()
         self.engines: dict[str, EngineHandle] = {}
         self.policies: dict[str, PolicyRecord] = {}
+        self.launched = launched if launched is not None else Launched.in_dir(config.log_dir)
+        self.fence_highest = 0
+        """The highest fencing token an engine said it has seen, when one refused us (0: none did)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ops: dict[str, int] = {}
 
     def engine_client(self, url: str) -> EngineClient:
         """A client for an engine that sends this controller's fencing token with every call."""
         return EngineClient(url, timeout_s=self.config.request_timeout_s, api_key=self.config.engine_api_key,
-                            fence=self.fence)
+                            fence=self.fence, on_fenced=self._engine_fenced)
+
+    async def check_fence(self, url: str, *, timeout_s: float) -> None:
+        """Before this tenure's first call to an engine: ask what it has seen with token 0, which an engine that
+        saw any token refuses (409) saying its highest, and changes nothing. An engine that saw our own number
+        saw it from another tenure (Redis handed it out again after it lost the counter): it is fenced like a
+        newer one, so the counter is raised past it. SGLang ignores the header and answers."""
+        if self.fence is None:
+            return
+        probe = EngineClient(url, timeout_s=timeout_s, api_key=self.config.engine_api_key, fence=0)
+        try:
+            await probe.model_info(timeout_s=timeout_s)
+        except EngineHTTPError as exc:
+            if not exc.fenced:
+                raise
+            if exc.fence_highest is not None and exc.fence_highest >= self.fence:
+                exc.message = f"fenced: the engine has seen token {exc.fence_highest}, ours is {self.fence}"
+                self._engine_fenced(exc)
+                raise exc from None
+
+    @property
+    def halted(self) -> bool:
+        """A write or an engine call was fenced: change nothing until the lease was checked again."""
+        return self.bus.fenced.is_set()
+
+    def _engine_fenced(self, error: EngineHTTPError) -> None:
+        highest = error.fence_highest
+        if highest is not None and highest > MAX_TOKEN:
+            log.error("engine %s claims fencing token %d, beyond any a controller can hold: treated as a failing "
+                      "engine, not as a fence", error.url, highest)
+            error.fence_highest = None
+            error.status = 502
+            return
+        if highest is not None:
+            self.fence_highest = max(self.fence_highest, highest)
+        if not self.bus.fenced.is_set():
+            log.error("engine %s refused our fencing token %s (%s): halting until the lease is checked",
+                      error.url, self.fence, error.message)
+        self.bus.fenced.set()
 
     # --- events and transitions -------------------------------------------------------------
     def event(self, cls: type[Event], **fields: Any) -> Event:

@@ -25,6 +25,8 @@ class HealthResult:
     latency_s: float
     reason: str = ""
     load: int | None = None
+    fenced: bool = False
+    """The engine refused our fencing token: no failure of the engine's (``controller.core``)."""
 
 
 def load_of(loads: Mapping[str, Any]) -> int | None:
@@ -51,7 +53,7 @@ async def check_engine(engine_id: str, client: EngineClient, timeout_s: float, *
         await client.health_generate(timeout_s=timeout_s)
     except EngineHTTPError as exc:
         return HealthResult(engine_id, False, time.perf_counter() - started, exc.message if exc.status == 0
-                            else f"HTTP {exc.status}: {exc.message}")
+                            else f"HTTP {exc.status}: {exc.message}", fenced=exc.fenced)
     latency = time.perf_counter() - started
     load = None
     if with_load:

@@ -9,6 +9,15 @@ registry write (a Lua script refuses a token older than the counter) and every e
 (the engine refuses a token older than the highest it has seen), so a leader that lost the
 lease without knowing it can no longer change anything.
 
+The counter must never go backwards for an engine, whatever Redis lost. Taking the lease also
+records the owner that got the number (``<key>:fence:holder``), so a registry write of an equal
+token from another owner is refused too. A leader that meets an engine whose highest token is
+above its own (Redis restarted empty, or lost the tail of its log) calls ``raise_above``: while it
+still holds the lease, the counter goes past every highest seen in one script, and the leader
+takes that number (``controller.runner``). Taking, raising, renewing and releasing are followed by
+``WAIT`` under Sentinel (``events.connection.durability``), as every durable write is: a failover
+cannot hand a standby a counter older than a token an engine already saw.
+
 Renewals get a short reconnect budget (a third of the lease): a leader that cannot renew
 must notice in time to step down (``controller.runner``), not retry for a minute. A lease
 whose holder was a process of this host that is gone (the owner token names host and pid)
@@ -22,23 +31,44 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from rollout_bus.events import processes
-from rollout_bus.events.connection import Guard, ReconnectPolicy, Redis
+from rollout_bus.events.connection import Guard, ReconnectPolicy, Redis, confirm_replicated, durability
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] lease, KEYS[2] fence counter; ARGV[1] owner, ARGV[2] ttl ms. Returns the holder's fencing token, 0 if held
-# by someone else.
+MAX_TOKEN = 2 ** 53 - 2
+"""The largest fencing token a raise goes to: Lua numbers are doubles, exact up to 2**53."""
+
+# KEYS[1] lease, KEYS[2] fence counter, KEYS[3] fence holder; ARGV[1] owner, ARGV[2] ttl ms. Returns the holder's
+# fencing token, 0 if held by someone else.
 _ACQUIRE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return redis.call('INCR', KEYS[2])
+  local token = redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[3], ARGV[1])
+  return token
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return tonumber(redis.call('GET', KEYS[2]) or '0')
 end
 return 0
+"""
+
+# KEYS as _ACQUIRE; ARGV[1] owner, ARGV[2] ttl ms, ARGV[3] highest token seen. Only while ARGV[1] holds the lease:
+# the counter goes past both its value and the highest seen. Returns the new token, 0 when the lease is not ours.
+_RAISE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+local current = tonumber(redis.call('GET', KEYS[2]) or '0')
+local token = math.max(current, tonumber(ARGV[3])) + 1
+redis.call('SET', KEYS[2], string.format('%d', token))
+redis.call('SET', KEYS[3], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return token
 """
 
 _EXTEND = """
@@ -67,23 +97,45 @@ class Lease:
         self.client = client
         self.key = key
         self.fence_key = fence_key or f"{key}:fence"
+        self.holder_key = f"{self.fence_key}:holder"
+        self.durability = durability(client)
         self.owner = owner
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.guard = guard or Guard(client, ReconnectPolicy(max_wait_s=max(0.05, ttl_s / 3)), name=f"lease {key}")
         self.token: int | None = None
         """The fencing token of the current tenure; None before the lease was taken."""
         self._acquire = client.register_script(_ACQUIRE)
+        self._raise = client.register_script(_RAISE)
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
+
+    @property
+    def _fence_keys(self) -> list[str]:
+        return [self.key, self.fence_key, self.holder_key]
+
+    def _durable(self, what: str, script: Callable[..., Any], keys: list[str], args: list[Any]) -> Any:
+        """Run ``script``, then (under Sentinel) ``WAIT`` for the replicas on the same connection."""
+        d = self.durability
+        if d.replicas == 0:
+            return self.guard.call(lambda c: script(keys=keys, args=args, client=c))
+
+        def attempt() -> tuple[Any, int]:
+            def send(c: Any) -> list[Any]:
+                pipe = c.pipeline(transaction=False)
+                script(keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", d.replicas, d.timeout_ms)
+                return list(pipe.execute())
+            result, acks = self.guard.call(send)
+            return result, int(acks)
+        return confirm_replicated(d, f"{what} {self.key}", attempt)
 
     def try_acquire(self) -> bool:
         """Take the lease if nobody holds it, or its holder died on this host (or extend it if we hold it);
         ``token`` is then this tenure's."""
-        token = int(self.guard.call(lambda c: self._acquire(keys=[self.key, self.fence_key],
-                                                            args=[self.owner, self.ttl_ms], client=c)))
+        args = [self.owner, self.ttl_ms]
+        token = int(self._durable("lease", self._acquire, self._fence_keys, args))
         if not token and self._drop_dead_holder():
-            token = int(self.guard.call(lambda c: self._acquire(keys=[self.key, self.fence_key],
-                                                                args=[self.owner, self.ttl_ms], client=c)))
+            token = int(self._durable("lease", self._acquire, self._fence_keys, args))
         if not token:
             return False
         if token != self.token:
@@ -91,13 +143,24 @@ class Lease:
         self.token = token
         return True
 
+    def raise_above(self, highest: int) -> int:
+        """Only while we hold the lease: move the fencing counter past both its value and ``highest`` (a token
+        an engine has seen) and take the new number; returns it, or 0 when the lease is not ours."""
+        if not 0 <= highest <= MAX_TOKEN:
+            raise ValueError(f"a fencing token must be within 0..{MAX_TOKEN}, got {highest}")
+        token = int(self._durable("fence raise", self._raise, self._fence_keys, [self.owner, self.ttl_ms, highest]))
+        if token:
+            log.warning("lease %s: fencing counter raised past %d to %d for %s", self.key, highest, token,
+                        self.owner)
+            self.token = token
+        return token
+
     def renew(self) -> bool:
         """Extend the lease only if we still hold it."""
-        return bool(self.guard.call(lambda c: self._extend(keys=[self.key], args=[self.owner, self.ttl_ms],
-                                                           client=c)))
+        return bool(self._durable("lease renewal", self._extend, [self.key], [self.owner, self.ttl_ms]))
 
     def release(self) -> bool:
-        released = bool(self.guard.call(lambda c: self._release(keys=[self.key], args=[self.owner], client=c)))
+        released = bool(self._durable("lease release", self._release, [self.key], [self.owner]))
         if released:
             log.info("lease %s released by %s", self.key, self.owner)
         return released

@@ -5,6 +5,12 @@ it waits until the engine answers ``/health_generate`` (``EngineReady``), pushes
 target weights of every policy, and only then announces ``EngineServing``. A failure
 anywhere makes the engine ``unhealthy``; a launched engine is then restarted (with
 backoff, up to ``max_restart_attempts``), an adopted one waits until it answers again.
+
+Fence refusals are never failures: once an engine (or the registry) refused this controller's
+token, ``core.halted`` holds and nothing here marks, restarts or stops an engine, so no refusal
+spends the restart budget; the leader runner decides what the refusal means. The budget counts
+restarts since the engine last served; a restart whose start-up fails counts once, and the
+engine is stopped only when the budget is spent, with the last start-up failure as its reason.
 """
 
 from __future__ import annotations
@@ -111,7 +117,9 @@ class Lifecycle:
             self._addresses = self.core.config.engine_addresses()
             log.info("engines listen on %s and register as %s", *self._addresses)
         spec = launch_spec(self.core.config, engine_id, free_port(), self._addresses)
-        return launch(self.backend, spec, self.core.log_dir), spec.url
+        process = launch(self.backend, spec, self.core.log_dir)
+        self.core.launched.add(engine_id, spec.url, process.pid)  # known here even if Redis loses it
+        return process, spec.url
 
     async def launch(self, engine_id: str) -> EngineHandle:
         """Start a new engine and bring it up; returns its handle whatever the outcome."""
@@ -182,6 +190,7 @@ class Lifecycle:
 
     async def _mark_unhealthy(self, h: EngineHandle, reason: str) -> None:
         log.warning("engine %s unhealthy: %s", h.engine_id, reason)
+        h.last_failure = reason[:500]
         await self.core.transition(h, S.UNHEALTHY, self.core.event(
             EngineUnhealthy, engine_id=h.engine_id, reason=reason[:2000], failures=h.failures))
 
@@ -192,6 +201,9 @@ class Lifecycle:
         ``restart_later`` returns once the engine is out of serving and relaunches it in a task
         of its own: a weight update round that found it dead must not wait for the relaunch,
         or the healthy engines would get no newer version until it is back."""
+        if self.core.halted:
+            log.warning("engine %s: not failed (%s): this controller was fenced", h.engine_id, reason)
+            return
         async with self.core.operate(h):
             if h.state in (S.UNHEALTHY, S.RESTARTING, S.STOPPED):
                 return
@@ -208,10 +220,11 @@ class Lifecycle:
         cfg = self.core.config
         while True:
             async with self.core.operate(h):
-                if h.state != S.UNHEALTHY or not h.managed:
+                if h.state != S.UNHEALTHY or not h.managed or self.core.halted:
                     return
                 if h.restart_attempts >= cfg.max_restart_attempts:
-                    await self._stop_locked(h, f"gave up after {h.restart_attempts} restart attempts", kill=True)
+                    await self._stop_locked(h, f"gave up after {h.restart_attempts} restart attempts; the last "
+                                               f"one: {h.last_failure}", kill=True)
                     return
                 h.restart_attempts += 1
                 if h.process is not None:
@@ -253,5 +266,6 @@ class Lifecycle:
             return
         if kill and h.managed and h.process is not None:
             await h.process.stop(grace_s=5.0)
+            self.core.launched.drop(h.engine_id, h.process.pid)
         await self.core.transition(h, S.STOPPED, self.core.event(EngineStopped, engine_id=h.engine_id,
                                                                   reason=reason))

@@ -25,6 +25,7 @@ from rollout_bus.controller.bus import ControllerBus
 from rollout_bus.controller.config import OFFLOAD_TAGS, ControllerConfig
 from rollout_bus.controller.core import Core
 from rollout_bus.controller.health import check_all
+from rollout_bus.controller.launched import Launched
 from rollout_bus.controller.lifecycle import Lifecycle, adopted_engine_id
 from rollout_bus.controller.metrics import ControllerMetrics
 from rollout_bus.controller.recovery import KnownEngine, fold_engine_log, merge_registry
@@ -34,7 +35,7 @@ from rollout_bus.controller.versions import Target
 from rollout_bus.controller.weights import BadWeights, verify
 from rollout_bus.engine.http_client import EngineHTTPError, close_shared_session
 from rollout_bus.events.connection import Redis
-from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.errors import Fenced, InvalidRequest
 from rollout_bus.events.janitor import Janitor, JanitorConfig, JanitorReport
 from rollout_bus.events.names import Keys
 from rollout_bus.events.registry import EngineState, PolicyRecord
@@ -66,17 +67,21 @@ class InferenceController:
     _stopping: asyncio.Event | None
 
     def __init__(self, config: ControllerConfig, client: Redis, *,
-                 metrics: ControllerMetrics | None = None, fence: int | None = None) -> None:
+                 metrics: ControllerMetrics | None = None, fence: int | None = None, holder: str | None = None,
+                 launched: Launched | None = None) -> None:
         """``fence``: the fencing token of the lease this instance holds (``controller.lease``); every
-        registry write and engine call carries it. None (tests, one-off tools): unfenced."""
+        registry write and engine call carries it. None (tests, one-off tools): unfenced. ``holder``: the
+        lease's owner, so that the registry refuses an equal token from anyone else. ``launched``: the
+        engines this process launched (``controller.launched``), shared by the services of one runner;
+        default: those recorded in the log directory."""
         self.config = config.validate()
         keys = Keys(config.namespace)
         producer = Producer("controller", f"{config.instance}-{os.getpid()}")
-        bus = ControllerBus(client, keys, producer, config.instance, fence=fence)
+        bus = ControllerBus(client, keys, producer, config.instance, fence=fence, holder=holder)
         # no log directory given: a temporary one, removed again when the engines logging there are stopped
         self._temp_log_dir = not config.log_dir
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix=f"rollout-bus-engines-{config.namespace}-"))
-        self.core = Core(config, bus, metrics or ControllerMetrics(), log_dir, fence=fence)
+        self.core = Core(config, bus, metrics or ControllerMetrics(), log_dir, fence=fence, launched=launched)
         self.lifecycle = Lifecycle(self.core, make_backend(config.backend),
                                    WeightUpdater(self.core, self._failed_in_update))
         self.updater = self.lifecycle.updater
@@ -93,6 +98,11 @@ class InferenceController:
         """Set when a write was refused for an older fencing token: the runner steps this instance down."""
         return self.core.bus.fenced
 
+    @property
+    def fence_highest(self) -> int:
+        """The highest fencing token an engine said it has seen when it refused this instance (0: none)."""
+        return self.core.fence_highest
+
     # --- start / stop -------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
@@ -102,9 +112,10 @@ class InferenceController:
         self.updater.load_reference()
         log_events, records, policies = await self.core.bus.snapshot()
         await self._seed_versions(policies)
-        known = merge_registry(fold_engine_log(log_events), records)
+        known = await self._with_launched(merge_registry(fold_engine_log(log_events), records))
         await self._reconcile_engines(known)
         await self.updater.joined()
+        await self.core.bus.take_over()  # a predecessor's pending weights and commands, before the first read
         loops: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("health", self._health_loop), ("weights", self._weights_loop), ("commands", self._commands_loop)]
         if cfg.janitor_interval_s > 0:
@@ -179,6 +190,27 @@ class InferenceController:
                     target = None
             self.core.book.seed(policy, record.published, target, proven=record.serving == record.published)
 
+    async def _with_launched(self, known: dict[str, KnownEngine]) -> dict[str, KnownEngine]:
+        """``known`` plus every engine this process launched that still runs and that neither the registry nor
+        the engine log lists any more (Redis lost them): adopted like the others, or stopped if unwanted. One
+        whose id the registry gives to another process is left over from before: it is stopped."""
+        out = dict(known)
+        for engine in self.core.launched.alive():
+            listed = out.get(engine.engine_id)
+            if listed is not None and listed.pid == engine.pid:
+                continue
+            if listed is not None:
+                log.warning("engine %s: pid %d of ours is left over (the registry names pid %s): stopping it",
+                            engine.engine_id, engine.pid, listed.pid)
+                await ProcessHandle(engine.pid).stop(grace_s=5.0)
+                self.core.launched.drop(engine.engine_id, engine.pid)
+                continue
+            log.warning("engine %s (pid %d, %s) runs but Redis no longer lists it: adopting it", engine.engine_id,
+                        engine.pid, engine.url)
+            out[engine.engine_id] = KnownEngine(engine.engine_id, engine.url, self.config.backend, True,
+                                                S.UNHEALTHY, engine.pid)
+        return out
+
     async def _reconcile_engines(self, known: dict[str, KnownEngine]) -> None:
         cfg = self.config
         expected = set(cfg.expected_engines())
@@ -194,9 +226,15 @@ class InferenceController:
         await asyncio.gather(*launches)
 
     async def _probe(self, engine: KnownEngine) -> dict[str, object] | None:
+        """The engine's ``/model_info``; None when it does not answer. An engine that has seen our token or a
+        newer one (``Core.check_fence``) raises ``Fenced``, before anything was adopted or replaced: a fenced
+        reply is no sign of a dead engine."""
         try:
+            await self.core.check_fence(engine.url, timeout_s=self.config.health_timeout_s)
             return await self.core.engine_client(engine.url).model_info(timeout_s=self.config.health_timeout_s)
-        except EngineHTTPError:
+        except EngineHTTPError as exc:
+            if exc.fenced:
+                raise Fenced(f"engine {engine.engine_id} refused our fencing token: {exc.message}") from None
             return None
 
     async def _take_over(self, engine: KnownEngine, info: dict[str, object] | None, wanted: bool) -> None:
@@ -303,7 +341,7 @@ class InferenceController:
                     h.record.load = result.load
                     loaded.append(h)
                 continue
-            if h.state != S.SERVING:
+            if h.state != S.SERVING or result.fenced:  # a fence refusal is the runner's to judge, no failure
                 continue
             h.failures += 1
             log.warning("engine %s failed a health check (%d/%d): %s", h.engine_id, h.failures,

@@ -61,6 +61,8 @@ class EngineHandle:
     process: ProcessHandle | None = None
     failures: int = 0
     restart_attempts: int = 0
+    """Restarts since the engine last served (``controller.lifecycle``)."""
+    last_failure: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -32,6 +33,7 @@ DEFAULT_TIMEOUT_S = 30.0
 UNFLUSHED_PREFIX = "Weights were updated, but the cache was not flushed"
 UNKNOWN_ADAPTER_MARK = "has never been loaded"
 FENCE_HEADER = "X-Rollout-Bus-Fence"
+_OLDER_THAN = re.compile(r"fenced: token -?\d+ is older than (\d{1,18})\b")
 """The controller's fencing token on every call it makes; the CPU engine refuses (409) one older than the
 highest it has seen (SGLang ignores the header)."""
 _sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
@@ -41,13 +43,16 @@ _sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSe
 class EngineHTTPError(Failure):
     """An engine call that failed: ``status`` is the HTTP status, 0 when no reply came."""
 
-    def __init__(self, url: str, path: str, status: int, message: str, *, timed_out: bool = False) -> None:
+    def __init__(self, url: str, path: str, status: int, message: str, *, timed_out: bool = False,
+                 fence_highest: int | None = None) -> None:
         super().__init__(f"{url}{path}: {status or 'no reply'}: {message}")
         self.url = url
         self.path = path
         self.status = status
         self.message = message
         self.timed_out = timed_out
+        self.fence_highest = fence_highest
+        """For a fenced refusal: the highest token the engine has seen (None when its reply did not say)."""
 
     @property
     def transport(self) -> bool:
@@ -72,8 +77,9 @@ class EngineHTTPError(Failure):
 
     @property
     def fenced(self) -> bool:
-        """The engine refused a call whose fencing token is older than one it has seen."""
-        return self.status == 409 and self.message.startswith("fenced")
+        """The engine refused a call whose fencing token is older than one it has seen: not an engine failure,
+        and not a refused version; what it means is the controller's to decide (``controller.runner``)."""
+        return self.status == 409 and (self.fence_highest is not None or self.message.startswith("fenced"))
 
 
 def shared_session() -> aiohttp.ClientSession:
@@ -99,8 +105,10 @@ class EngineClient:
 
     def __init__(self, url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  session: aiohttp.ClientSession | None = None, api_key: str | None = None,
-                 fence: int | None = None) -> None:
+                 fence: int | None = None, on_fenced: Callable[[EngineHTTPError], None] | None = None) -> None:
+        """``on_fenced``: called with every fenced refusal before it is raised (the controller's signal)."""
         self.url = url.rstrip("/")
+        self.on_fenced = on_fenced
         self.timeout_s = timeout_s
         self._session = session
         headers: dict[str, str] = {}
@@ -133,7 +141,10 @@ class EngineClient:
             raise EngineHTTPError(self.url, path, 0, f"{type(exc).__name__}: {exc}") from None
         data = _parse(body)
         if status >= 400:
-            raise EngineHTTPError(self.url, path, status, _message(data))
+            error = EngineHTTPError(self.url, path, status, _message(data), fence_highest=_fence_highest(status, data))
+            if error.fenced and self.on_fenced is not None:
+                self.on_fenced(error)
+            raise error
         if isinstance(data, dict) and data.get("success") is False:
             raise EngineHTTPError(self.url, path, status, _message(data))
         return data
@@ -252,6 +263,18 @@ def _parse(body: bytes) -> Any:
         return json.loads(body)
     except ValueError:
         return body.decode("utf-8", "replace")
+
+
+def _fence_highest(status: int, data: Any) -> int | None:
+    """The highest token of a fenced refusal: its body's ``highest`` (``{"fenced": true, "highest": N}``), or
+    for an engine that only says so in words, the N of "fenced: token T is older than N"; None for any other."""
+    if status != 409 or not isinstance(data, dict):
+        return None
+    highest = data.get("highest")
+    if data.get("fenced") is True and isinstance(highest, int) and not isinstance(highest, bool) and highest >= 0:
+        return highest
+    said = _OLDER_THAN.match(str(data.get("message", "")))
+    return int(said.group(1)) if said else None
 
 
 def _message(data: Any) -> str:

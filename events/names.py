@@ -155,6 +155,12 @@ class Keys:
         """The fencing token: incremented by every controller that takes the lease, never reset."""
         return self._k("lease", "controller", "fence")
 
+    @property
+    def controller_fence_holder(self) -> str:
+        """The owner that got the current fencing token: a registry write of the same token from anyone else is
+        refused (two holders of one number, after Redis lost the tail of its log)."""
+        return self._k("lease", "controller", "fence", "holder")
+
     def trainer_lease(self, policy: str) -> str:
         """Hash of the trainer ranks holding ``policy`` (one active trainer per policy)."""
         return self._k("lease", "trainer", check_name("policy", policy))

@@ -7,7 +7,9 @@ show them. Records are msgpack maps; an unreadable record is skipped with a warn
 A registry made with a ``fence`` (the controller's fencing token, ``controller.lease``)
 writes through a Lua script that refuses the write with ``Fenced`` when the namespace's
 fencing counter has moved past the token: a controller that lost its lease cannot
-overwrite what the new one wrote.
+overwrite what the new one wrote. Made with a ``holder`` too (the lease owner that took the
+token), it also refuses an equal token from another owner, and any token once Redis no longer
+knows who holds the current one (its data was lost): the writer must take the lease again.
 """
 
 from __future__ import annotations
@@ -52,18 +54,23 @@ def parse_adapter_name(name: str) -> tuple[str, int] | None:
 FENCED = "FENCED"
 GENERATION = REGISTRY_GENERATION
 _GENERATION_BYTES = GENERATION.encode()
-# KEYS[1] fencing counter, KEYS[2] hash; ARGV[1] token, ARGV[2] 'set' or 'del', ARGV[3..] fields (and values).
+# KEYS[1] fencing counter, KEYS[2] hash, KEYS[3] fence holder; ARGV[1] token, ARGV[2] 'set' or 'del', ARGV[3] the
+# writer's lease owner ('' for none), ARGV[4..] fields (and values).
 _FENCED_WRITE = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 if current > tonumber(ARGV[1]) then
   return redis.error_reply('FENCED token ' .. ARGV[1] .. ' is older than ' .. current ..
                            ': another controller holds the lease')
 end
+if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then
+  return redis.error_reply('FENCED token ' .. ARGV[1] .. ' is not the one the current holder took (counter ' .. current ..
+                           '): another controller took this number, or Redis lost it')
+end
 local n
 if ARGV[2] == 'del' then
-  n = redis.call('HDEL', KEYS[2], unpack(ARGV, 3))
+  n = redis.call('HDEL', KEYS[2], unpack(ARGV, 4))
 else
-  n = redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+  n = redis.call('HSET', KEYS[2], unpack(ARGV, 4))
 end
 redis.call('HINCRBY', KEYS[2], '#gen', 1)
 return n
@@ -153,11 +160,12 @@ class Registry:
     """Read and write engine and policy records under one namespace."""
 
     def __init__(self, client: redis.Redis, keys: Keys, guard: Guard | None = None, *,
-                 fence: int | None = None) -> None:
+                 fence: int | None = None, holder: str | None = None) -> None:
         self.client = client
         self.keys = keys
         self.guard = guard or Guard(client, name="registry")
         self.fence = fence
+        self.holder = holder
         self._fenced = client.register_script(_FENCED_WRITE) if fence is not None else None
 
     def put_engine(self, record: EngineRecord, pipe: Any = None) -> None:
@@ -233,7 +241,8 @@ class Registry:
 
     def _run_fenced(self, key: str, op: str, args: list[Any], pipe: Any) -> None:
         assert self._fenced is not None
-        script_keys, script_args = [self.keys.controller_fence, key], [self.fence, op, *args]
+        script_keys = [self.keys.controller_fence, key, self.keys.controller_fence_holder]
+        script_args = [self.fence, op, self.holder or "", *args]
         if pipe is not None:  # refused at the pipeline's execute: see ``fenced_error``
             self._fenced(keys=script_keys, args=script_args, client=pipe)
             return
