@@ -28,6 +28,7 @@ from rollout_bus.events.connection import (
     durability,
     pack,
     raise_errors,
+    status_hook,
 )
 from rollout_bus.events.names import Keys
 from rollout_bus.events.schema import FIELD, Event, Producer, encode_bytes
@@ -100,6 +101,7 @@ class Publisher:
         self._lane = Lane(client)
         self._dedupe_prefix: dict[str, str] = {}
         self.durability = durability(client)
+        self.durability_status = status_hook(client, keys.durability_status, str(producer))
 
     def publish(self, stream: str, event: Event, *, idempotency_key: str | None = None,
                 maxlen: int = 0, durable: bool = False) -> str:
@@ -178,7 +180,7 @@ class Publisher:
             replies = self.guard.call(lambda c: self._evalsha(c, calls, d))
             return replies[:-1], int(replies[-1])
         stream = as_str(calls[0][0][0])
-        return [as_str(r) for r in confirm_replicated(d, f"publish to {stream}", attempt)]
+        return [as_str(r) for r in confirm_replicated(d, f"publish to {stream}", attempt, self.durability_status)]
 
     def _evalsha(self, c: redis.Redis, calls: list[_Call], wait: Durability | None) -> list[Any]:
         """The replies of ``calls``, and with ``wait`` the replicas that acknowledged them last."""
