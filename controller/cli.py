@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_bus.controller.runner import LeaderRunner
     from rollout_bus.controller.service import InferenceController
     from rollout_bus.events.connection import connect
+    from rollout_bus.events.epoch import stop_on_bus_reset
     from rollout_bus.events.names import Keys
 
     async def run() -> None:
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = LeaderRunner(lease, lambda: InferenceController(config, client, fence=lease.token),
                               config.lease_ttl_s)
         try:
-            await runner.run(stop)
+            with stop_on_bus_reset(client, Keys(config.namespace), "controller"):  # SIGTERM: stop is set
+                await runner.run(stop)
         finally:
             client.close()
 
