@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_bus.controller.runner import LeaderRunner
     from rollout_bus.controller.service import InferenceController
     from rollout_bus.events.connection import connect
+    from rollout_bus.events.epoch import stop_on_bus_reset
     from rollout_bus.events.names import Keys
     from rollout_bus.events.registry import Registry
 
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                  launched=launched),
                               config.lease_ttl_s, launched=launched, registry=Registry(client, keys))
         try:
-            await runner.run(stop)
+            with stop_on_bus_reset(client, Keys(config.namespace), "controller"):  # SIGTERM: stop is set
+                await runner.run(stop)
         finally:
             client.close()
 

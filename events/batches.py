@@ -196,7 +196,8 @@ class BatchChannel:
         else:  # a BatchReady survives a failover: acknowledged only once the replicas have it
             def attempt() -> tuple[Any, int]:
                 return self.guard.call(lambda c: self._publish_and_wait(c, script_keys, args, d))
-            entry_id, outcome = confirm_replicated(d, f"BatchReady {policy}/{batch_id}", attempt)
+            entry_id, outcome = confirm_replicated(d, f"BatchReady {policy}/{batch_id}", attempt,
+                                                   self.publisher.durability_status)
         if outcome == 0:  # another attempt's entry won (1: appended now; 2: this attempt's own, appended before)
             log.info("batch %s of %s was published by another attempt first; dropping this attempt's copy",
                      batch_id, policy)

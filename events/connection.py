@@ -16,6 +16,7 @@ have delivered entries, and an outage is their cue to page through their own pen
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -30,6 +31,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import redis
 import redis.sentinel
 from hiredis import pack_command as _pack_command
+from prometheus_client import Counter, Gauge
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
@@ -260,34 +262,115 @@ class Durability:
     """How a write that must survive a failover is acknowledged: ``WAIT replicas timeout_ms`` after it.
 
     ``replicas`` 0: no ``WAIT`` (a single Redis). A ``WAIT`` that returns fewer replicas is tried
-    again (the writes are idempotent, so the retry adds nothing) up to ``attempts`` times in all,
-    then the writer gets ``ReplicationTimeout``: never an acknowledgement the replicas did not give.
+    again (the writes are idempotent, so the retry adds nothing) up to ``attempts`` times in all.
+    Then the write is *degraded*: it keeps trying, with backoff, for up to ``wait_s`` more, with a
+    visible status (a log line, ``rollout_bus_durable_writes_waiting``, the writer's entry in
+    ``keys.durability_status`` that ``rollout-bus status`` shows), so a lost replica stalls a role
+    instead of crashing it; past the bound the writer gets ``ReplicationTimeout``. Never an
+    acknowledgement the replicas did not give.
     """
 
     replicas: int = 0
     timeout_ms: int = 2000
     attempts: int = 3
+    wait_s: float = 0.0
 
 
-def confirm_replicated(d: Durability, what: str, attempt: Callable[[], tuple[T, int]]) -> T:
+DURABLE_WAITING = Gauge("rollout_bus_durable_writes_waiting", "Durable writes of this process waiting for their "
+                        "replicas past their tries (degraded durability)")
+DURABLE_SHORT = Counter("rollout_bus_durable_write_short_waits", "WAITs that returned fewer replicas than asked")
+DURABLE_TIMEOUTS = Counter("rollout_bus_durable_write_timeouts", "Durable writes given up past their bound "
+                           "(ReplicationTimeout)")
+DEGRADED_BACKOFF_CAP_S = 5.0
+
+StatusHook = Callable[[dict[str, Any] | None], None]
+"""Where a degraded write says so: a dict while it waits (what, replicas asked and acknowledged, since),
+None once it is confirmed or given up."""
+
+
+def confirm_replicated(d: Durability, what: str, attempt: Callable[[], tuple[T, int]],
+                       status: StatusHook | None = None) -> T:
     """Run ``attempt`` (the write and its ``WAIT``, returning the result and the replicas that acked)
-    until ``d.replicas`` acknowledge it, at most ``d.attempts`` times; then ``ReplicationTimeout``."""
+    until ``d.replicas`` acknowledge it: ``d.attempts`` tries, then degraded for up to ``d.wait_s``
+    (see ``Durability``); then ``ReplicationTimeout``."""
     acks = 0
     for i in range(d.attempts):
         result, acks = attempt()
         if acks >= d.replicas:
             return result
+        DURABLE_SHORT.inc()
         log.warning("%s: WAIT %d %d: %d replica(s) acknowledged (try %d of %d)", what, d.replicas, d.timeout_ms,
                     acks, i + 1, d.attempts)
+    if d.wait_s > 0:
+        confirmed, acks = _degraded(d, what, attempt, status, acks)
+        if confirmed is not None:
+            return confirmed[0]
+    DURABLE_TIMEOUTS.inc()
+    waited = f" and {d.wait_s:g}s degraded" if d.wait_s > 0 else ""
     raise ReplicationTimeout(
         f"{what}: only {acks} of {d.replicas} replica(s) acknowledged the write within {d.timeout_ms} ms "
-        f"(WAIT, {d.attempts} tries): it is on the primary but a failover now could lose it; check the "
+        f"(WAIT, {d.attempts} tries{waited}): it is on the primary but a failover now could lose it; check the "
         "replicas (INFO replication on the primary), or set ROLLOUT_BUS_WAIT_REPLICAS=0 to run without them")
 
 
+def _degraded(d: Durability, what: str, attempt: Callable[[], tuple[T, int]], status: StatusHook | None,
+              acks: int) -> tuple[tuple[T] | None, int]:
+    """Keep trying past the tries, saying so, until confirmed ((result,), acks) or ``d.wait_s`` ((None, acks))."""
+    started = time.monotonic()
+    since_ms = int(time.time() * 1000)
+    log.error("%s: durability degraded: %d of %d replica(s) acknowledge; the write waits up to %gs for them "
+              "(ROLLOUT_BUS_WAIT_DEGRADED_S) before it fails", what, acks, d.replicas, d.wait_s)
+    DURABLE_WAITING.inc()
+    delay, last_log, tries = 0.25, started, 0
+    try:
+        while True:
+            _say(status, {"what": what, "replicas": d.replicas, "acked": acks, "since_ms": since_ms,
+                          "bound_s": d.wait_s, "tries": tries})
+            left = d.wait_s - (time.monotonic() - started)
+            if left <= 0:
+                return None, acks
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, DEGRADED_BACKOFF_CAP_S)
+            result, acks = attempt()
+            tries += 1
+            if acks >= d.replicas:
+                log.warning("%s: confirmed by %d replica(s) after %.1fs degraded", what, acks,
+                            time.monotonic() - started)
+                return (result,), acks
+            DURABLE_SHORT.inc()
+            if time.monotonic() - last_log >= 10:
+                last_log = time.monotonic()
+                log.error("%s: still degraded after %.0fs: %d of %d replica(s)", what, last_log - started, acks,
+                          d.replicas)
+    finally:
+        DURABLE_WAITING.dec()
+        _say(status, None)
+
+
+def status_hook(client: redis.Redis, key: str, writer: str) -> StatusHook:
+    """A ``StatusHook`` that keeps ``writer``'s degraded write in the hash ``key`` (JSON; removed once over):
+    a plain write on the primary, which is up, only its replicas are missing."""
+    def say(state: dict[str, Any] | None) -> None:
+        if state is None:
+            client.hdel(key, writer)
+        else:
+            client.hset(key, writer, json.dumps(state))
+    return say
+
+
+def _say(status: StatusHook | None, state: dict[str, Any] | None) -> None:
+    if status is None:
+        return
+    try:
+        status(state)
+    except Exception as exc:  # the status is a courtesy: never the reason a write fails
+        log.debug("could not record the durability status: %s", exc)
+
+
 def durability(client: Any) -> Durability:
-    """From ``ROLLOUT_BUS_WAIT_REPLICAS`` / ``ROLLOUT_BUS_WAIT_TIMEOUT_MS`` / ``ROLLOUT_BUS_WAIT_ATTEMPTS``;
-    the replicas default to 1 for a Sentinel client (a replica is configured) and 0 otherwise."""
+    """From ``ROLLOUT_BUS_WAIT_REPLICAS`` / ``ROLLOUT_BUS_WAIT_TIMEOUT_MS`` / ``ROLLOUT_BUS_WAIT_ATTEMPTS`` /
+    ``ROLLOUT_BUS_WAIT_DEGRADED_S`` (default 300, 0: fail at once); the replicas default to 1 for a Sentinel
+    client (a replica is configured) and 0 otherwise."""
     def env_int(name: str, default: int, low: int) -> int:
         raw = os.environ.get(name)
         if not raw:
@@ -299,8 +382,20 @@ def durability(client: Any) -> Durability:
         if value < low:
             raise InvalidRequest(f"{name} must be >= {low}, got {value}")
         return value
+    raw_wait = os.environ.get("ROLLOUT_BUS_WAIT_DEGRADED_S")
+    try:
+        wait_s = float(raw_wait) if raw_wait else DEFAULT_DEGRADED_S
+    except ValueError:
+        raise InvalidRequest(f"ROLLOUT_BUS_WAIT_DEGRADED_S must be a number of seconds, got {raw_wait!r}") from None
+    if not wait_s >= 0:
+        raise InvalidRequest(f"ROLLOUT_BUS_WAIT_DEGRADED_S must be >= 0, got {raw_wait!r}")
     return Durability(env_int("ROLLOUT_BUS_WAIT_REPLICAS", 1 if is_sentinel_client(client) else 0, 0),
-                      env_int("ROLLOUT_BUS_WAIT_TIMEOUT_MS", 2000, 1), env_int("ROLLOUT_BUS_WAIT_ATTEMPTS", 3, 1))
+                      env_int("ROLLOUT_BUS_WAIT_TIMEOUT_MS", 2000, 1), env_int("ROLLOUT_BUS_WAIT_ATTEMPTS", 3, 1),
+                      wait_s)
+
+
+DEFAULT_DEGRADED_S = 300.0
+"""How long a durable write waits for its replicas past its tries, by default (``Durability.wait_s``)."""
 
 
 @dataclass

@@ -8,11 +8,19 @@ times is dead-lettered with that reason; either way it is acked, so it never blo
 the entries behind it and never crashes the consumer.
 
 A consumer that holds entries for a while before acking them (a trainer's buffer) keeps
-them from being reclaimed with ``touch``. Each group's registration is kept alive by its
-consumers' reads (a heartbeat every quarter of ``group_ttl_s`` in ``keys.group_beats``); the
-janitor expires a registration whose beats stopped (``events.janitor``), so a reader that left
-does not pin every later entry and payload. A reader that never reads but must keep entries
-(a payload hold for export) registers with ``register_group`` alone and has no beat to lapse.
+them from being reclaimed with ``touch``. Each group's registration is kept alive by a heartbeat
+thread of the consumer (every quarter of ``group_ttl_s`` in ``keys.group_beats``, whether it reads
+or is busy: ``events.groups.Heartbeat``) until ``close``; the janitor expires a registration only
+when its owner is known dead (beats lapsed and no consumer of the group touched the stream within
+the TTL: ``events.janitor``), so a reader that left does not pin every later entry and payload. A
+reader that never reads but must keep entries (a payload hold for export) registers with
+``register_group`` alone and has no beat to lapse.
+
+A consumer whose group vanished (the janitor expired it while the process was paused) never
+resumes at ``$``: it recreates the group after the last entry it acked (it tracks what it holds
+and acks) or where the janitor recorded the group stood, whichever is earlier, and reports any
+entries removed from the stream meanwhile (log, ``rollout_bus_consumer_group_gaps_total``, a note
+on the dead-letter stream).
 """
 
 from __future__ import annotations
@@ -27,15 +35,30 @@ from typing import Any
 
 import msgpack
 import redis
+from prometheus_client import Counter
 
 from rollout_bus.events.connection import Guard, Lane, as_str, is_busygroup, pack, raise_errors
 from rollout_bus.events.errors import DecodeError, RedisCommandError
+from rollout_bus.events.groups import (
+    BEAT,
+    Heartbeat,
+    earliest,
+    expired_record,
+    heartbeat_guard,
+    id_before,
+    lost_after,
+    parse_id,
+)
 from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import entries_of, stream_entries
 from rollout_bus.events.schema import Event, decode
 
 log = logging.getLogger(__name__)
+GROUP_RECREATED = Counter("rollout_bus_consumer_group_recreated", "Consumer groups found gone and recreated at the "
+                          "consumer's last known position", ["stream", "group"])
+GROUP_GAPS = Counter("rollout_bus_consumer_group_gaps", "Recreated groups whose stream lost entries meanwhile "
+                     "(reported on the dead-letter stream)", ["stream", "group"])
 
 
 def stable_consumer_name(role: str, index: int = 0) -> str:
@@ -54,7 +77,8 @@ class ConsumerConfig:
     start_id: str = "0"
     auto_ack: bool = True
     group_ttl_s: float | None = 900.0
-    """The group's registration lapses when none of its consumers read for this long; None: it never does."""
+    """The group's registration lapses when none of its consumers beat (a thread of each, until ``close``)
+    or touched the stream for this long; None: it never does."""
 
 
 @dataclass
@@ -93,17 +117,72 @@ class Consumer:
         self._unacked: list[str] = []  # handled in run(): acked together with the next read
         self._packed_reads: dict[tuple[str, int, int | None], bytes] = {}
         self._beat_due = 0.0
-        self._beat = client.register_script(_BEAT)
+        self._beat = client.register_script(BEAT)
         self._leased_ack: Any = None  # XACK bound to a lease (``ack(lease=...)``), registered on first use
+        self._heartbeat: Heartbeat | None = None
+        self._group_lost = False
+        self._held: set[str] = set()  # delivered to us and not acked yet
+        self._acked_max: str | None = None  # the newest entry acked (or the group's position when joined)
         self.dead_lettered = 0
+        self.recreated = 0
 
     # --- group management -------------------------------------------------------------
     def ensure_group(self) -> None:
-        """Create the group (idempotent) and register it as a reader the stream must keep entries for."""
-        self.guard.call(lambda c: register_group(c, self.keys, self.stream, self.group, self.config.start_id))
+        """Create the group (idempotent) and register it as a reader the stream must keep entries for.
+
+        A group that vanished is created again after the last entry known handled (see the module
+        docstring), never at ``start_id``; ``start_id`` applies only to a group that never existed.
+        """
+        lost = self._group_lost
+        self.guard.call(lambda c: self._create(c, lost))
+        self._group_lost = False
         self._group_ready = True
         self._beat_due = 0.0
         self.beat()
+        ttl = self.config.group_ttl_s
+        if ttl is not None and (self._heartbeat is None or not self._heartbeat.alive):
+            period = ttl / 4
+            name = f"{self.group}/{self.name}"
+            self._heartbeat = Heartbeat(self, self._send_beat, period, name).start(
+                heartbeat_guard(self.client, name, period))
+
+    def _create(self, c: redis.Redis, lost: bool) -> None:
+        record = expired_record(c, self.keys, self.stream, self.group)
+        mine = self._resume_point() if lost else None
+        after = earliest(record["resume_after"] if record else None, mine)
+        created = register_group(c, self.keys, self.stream, self.group, after or self.config.start_id)
+        if record is not None:
+            c.hdel(self.keys.expired_groups(self.stream), self.group)
+        if created and after is not None:
+            counted = record is not None and record["resume_after"] == after
+            entries_read = record.get("entries_read") if counted and record else None
+            self._report_recreated(c, after, "expired by the janitor" if record else "gone",
+                                   entries_read if isinstance(entries_read, int) else None)
+        if self._acked_max is None:  # where the group stands as we join: what a vanished group resumes from
+            info = next((g for g in c.xinfo_groups(self.stream) if as_str(g["name"]) == self.group), None)
+            if info is not None:
+                self._acked_max = as_str(info["last-delivered-id"])
+
+    def _resume_point(self) -> str | None:
+        """After the last entry this consumer handled: before the oldest it holds, else its newest ack."""
+        if self._held:
+            return id_before(min(self._held, key=parse_id))
+        return self._acked_max
+
+    def _report_recreated(self, c: redis.Redis, after: str, why: str, entries_read: int | None) -> None:
+        self.recreated += 1
+        GROUP_RECREATED.labels(self.stream, self.group).inc()
+        lost = lost_after(c, self.stream, after, entries_read)
+        if lost is None:
+            log.warning("group %s of %s was %s: recreated after %s; every later entry is delivered",
+                        self.group, self.stream, why, after)
+            return
+        reason = (f"group {self.group} was {why}: recreated after {after}, but {lost.describe()} were removed "
+                  "from the stream meanwhile and are not delivered")
+        log.error("%s (noted on %s)", reason, self.keys.dead_letters)
+        GROUP_GAPS.labels(self.stream, self.group).inc()
+        c.xadd(self.keys.dead_letters,  # type: ignore[arg-type]
+               dead_letter_fields(self.stream, self.group, self.name, after, {}, reason, 0))
 
     def beat(self) -> None:
         """Tell the janitor this group still has a live consumer (at most every quarter of ``group_ttl_s``)."""
@@ -111,16 +190,48 @@ class Consumer:
         now = time.monotonic()
         if ttl is None or now < self._beat_due:
             return
-        self.guard.call(lambda c: self._beat(keys=[self.keys.group_beats(self.stream)],
-                                             args=[self.group, int(ttl * 1000)], client=c))
+        self._send_beat(self.guard)
         self._beat_due = now + ttl / 4
+
+    def _send_beat(self, guard: Guard) -> None:
+        ttl = self.config.group_ttl_s
+        if ttl is not None:
+            script_keys = [self.keys.group_beats(self.stream), self.keys.group_ttls(self.stream)]
+            guard.call(lambda c: self._beat(keys=script_keys, args=[self.group, int(ttl * 1000)], client=c))
+
+    def close(self) -> None:
+        """Stop beating: the group lapses ``group_ttl_s`` after its last consumer closed (or stopped reading)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+
+    def _lose_group(self, exc: BaseException) -> None:
+        log.warning("group %s on %s is gone (%s); recreating it after the last entry handled", self.group,
+                    self.stream, exc)
+        self._group_ready = False
+        self._group_lost = True
+        self._recovering = True
+        self._recover_from = "0"
+
+    def _acked(self, ids: list[str] | tuple[str, ...]) -> None:
+        if not ids:
+            return
+        self._held.difference_update(ids)
+        newest = max(ids, key=parse_id)
+        if self._acked_max is None or parse_id(newest) > parse_id(self._acked_max):
+            self._acked_max = newest
 
     def touch(self, *ids: str) -> None:
         """Reset the idle time of entries this consumer holds, so that no claim takes them (nor counts a
         delivery): ``XCLAIM ... JUSTID`` to ourselves."""
         if ids:
-            self.guard.call(lambda c: c.xclaim(self.stream, self.group, self.name, min_idle_time=0,
-                                               message_ids=list(ids), justid=True))
+            try:
+                self.guard.call(lambda c: c.xclaim(self.stream, self.group, self.name, min_idle_time=0,
+                                                   message_ids=list(ids), justid=True))
+            except RedisCommandError as exc:
+                if not _group_gone(exc):
+                    raise
+                self._lose_group(exc)
 
     # --- reading ----------------------------------------------------------------------
     def read(self, block_ms: int | None = None, count: int | None = None) -> list[Message]:
@@ -132,11 +243,8 @@ class Consumer:
         try:
             return self._read(block_ms if block_ms is not None else self.config.block_ms, count)
         except RedisCommandError as exc:
-            if "NOGROUP" in str(exc):
-                log.warning("group %s on %s is gone (Redis lost its data?); recreating", self.group, self.stream)
-                self._group_ready = False
-                self._recovering = True
-                self._recover_from = "0"
+            if _group_gone(exc):
+                self._lose_group(exc)
                 return []
             raise
 
@@ -192,6 +300,7 @@ class Consumer:
         replies = self.guard.call(lambda c: raise_errors(lane.execute(packed, 2 if acks else 1)))
         if acks:
             self._unacked = []
+            self._acked(acks)
         return entries_of(replies[-1])
 
     def _autoclaim(self, count: int) -> list[tuple[Any, Any]]:
@@ -209,6 +318,7 @@ class Consumer:
         deleted = list(reply[2]) if reply and len(reply) > 2 else []
         if deleted:  # trimmed away while pending: nothing left to process
             self.guard.call(lambda c: c.xack(self.stream, self.group, *deleted))
+            self._acked([as_str(i) for i in deleted])
         return entries
 
     def _call_with_acks(self, command: Callable[[Any], Any]) -> Any:
@@ -227,6 +337,7 @@ class Consumer:
             return pipe.execute()[1]
         result = self.guard.call(both)
         self._unacked = []
+        self._acked(acks)
         return result
 
     def _deliveries(self, ids: list[str]) -> dict[str, int]:
@@ -248,6 +359,7 @@ class Consumer:
 
     def _accept(self, raw: list[tuple[Any, Any]], pending: bool) -> list[Message]:
         ids = [entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id) for entry_id, _ in raw]
+        self._held.update(ids)
         counts = self._deliveries(ids) if pending and ids else {}
         out: list[Message] = []
         trimmed: list[str] = []
@@ -284,6 +396,7 @@ class Consumer:
             self.guard.call(lambda c: raise_errors(self._lane.execute(packed)))
         else:
             self.guard.call(lambda c: c.xack(self.stream, self.group, *ids))
+        self._acked(ids)
 
     def flush_acks(self) -> None:
         """Send the acks that ``run`` and ``run_until_idle`` hold for the next read."""
@@ -301,6 +414,7 @@ class Consumer:
             pipe.xack(self.stream, self.group, entry_id)
             pipe.execute()
         self.guard.call(move)
+        self._acked([entry_id])
         self.dead_lettered += 1
 
     # --- loops --------------------------------------------------------------------------
@@ -361,6 +475,13 @@ class Consumer:
             self.flush_acks()
 
 
+def _group_gone(exc: BaseException) -> bool:
+    """A reply saying the group (or its stream) no longer exists: NOGROUP, or a blocked read the
+    group's destruction woke."""
+    text = str(exc)
+    return "NOGROUP" in text or "no longer exists" in text
+
+
 def dead_letter_fields(stream: str, group: str, consumer: str, entry_id: str, fields: Any, reason: str,
                        deliveries: int) -> dict[bytes, bytes]:
     try:
@@ -392,13 +513,6 @@ def register_group(c: redis.Redis, keys: Keys, stream: str, group: str, start_id
     c.hset(keys.group_hosts(stream), group, socket.gethostname())
     return created
 
-
-# KEYS[1] group beats; ARGV[1] group, ARGV[2] ttl ms. The registration lapses at now + ttl (Redis clock).
-_BEAT = """
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[2]), ARGV[1])
-return 1
-"""
 
 # KEYS[1] stream; ARGV[1] group, ARGV[2..] entry ids (run through ``events.leased``: only while a lease holds).
 _ACK = "return redis.call('XACK', KEYS[1], unpack(ARGV))"

@@ -34,6 +34,10 @@ class BusUnavailable(Failure):
     """Redis could not be reached within the reconnect budget."""
 
 
+class BusReset(Failure):
+    """Redis lost the namespace's data (its bus epoch vanished): the run's streams, groups and registry are gone."""
+
+
 class RedisCommandError(Failure):
     """Redis answered a command with an error."""
 

@@ -2,10 +2,13 @@
 
 One ``Janitor.run_once`` pass, over every stream of the namespace:
 
-1. **Groups**: a group whose consumers stopped beating (``Consumer.beat``; its lapse time in
-   ``keys.group_beats``) is unregistered and destroyed, and dropped as a reader of its policy's
-   payloads (those left with no reader are deleted). A group registered without beats (a
-   payload hold for export) never lapses.
+1. **Groups**: a group whose owner is known dead (its consumers stopped beating, ``Consumer.beat``
+   and its heartbeat thread, lapse time in ``keys.group_beats``; *and* none of its consumers
+   touched the stream within the group's TTL, ``events.groups.owner_alive``) is unregistered and
+   destroyed, and dropped as a reader of its policy's payloads (those left with no reader are
+   deleted). Where it stood is kept first (``keys.expired_groups``): a consumer of it that comes
+   back resumes there, not at ``$``. A group registered without beats (a payload hold for export)
+   never lapses.
 2. **Streams**: each is trimmed to ``max_len`` entries and/or ``max_age_s`` by
    ``events.retention.trim``, which never passes the oldest entry a registered group has not
    acked (its oldest pending entry, or its first undelivered one).
@@ -26,6 +29,7 @@ import redis
 
 from rollout_bus.events.batches import BatchChannel, Swept
 from rollout_bus.events.connection import Guard, as_str
+from rollout_bus.events.groups import owner_alive, record_expired
 from rollout_bus.events.names import BATCHES, Keys, logical_stream
 from rollout_bus.events.paging import discover_streams
 from rollout_bus.events.publish import Publisher
@@ -34,7 +38,7 @@ from rollout_bus.events.schema import GroupExpired, PayloadsSwept, StreamsTrimme
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] group beats, KEYS[2] registered groups; ARGV[1] group. Unregisters the group if its registration
+# KEYS[1] group beats, KEYS[2] registered groups, KEYS[3] group ttls; ARGV[1] group. Unregisters the group if its registration
 # lapsed: returns -1 when it has not (or it has no beat), else ms since it lapsed. (The stream itself is
 # not a key of the script: a janitor's ACL user may only trim streams and destroy groups there.)
 _EXPIRE = """
@@ -44,6 +48,7 @@ local lapse = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not lapse or tonumber(lapse) > now then return -1 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
 return now - tonumber(lapse)
 """
 
@@ -113,17 +118,24 @@ class Janitor:
         logical = logical_stream(self.keys, stream)
         out: list[GroupExpired] = []
         for group in lapsed:
-            script_keys, args = [beats, self.keys.registered_groups(stream)], [group]
+            alive = self.guard.call(lambda c: owner_alive(c, self.keys, stream, group))  # noqa: B023
+            if alive is not None:  # beats lapsed (a paused heartbeat?) but the group is in use: not expired
+                log.info("janitor: group %s of %s stopped beating but is alive (%s); kept", group, logical, alive)
+                continue
+            script_keys = [beats, self.keys.registered_groups(stream), self.keys.group_ttls(stream)]
+            args = [group]
             since_ms = int(self.guard.call(lambda c: self._expire(keys=script_keys, args=args, client=c)))  # noqa: B023
             if since_ms < 0:  # a consumer beat meanwhile
                 continue
+            resume = self.guard.call(lambda c: record_expired(c, self.keys, stream, group, now_ms))  # noqa: B023
             self.guard.call(lambda c: _destroy_group(c, stream, group))  # noqa: B023
             released = 0
             if logical.startswith(BATCHES):
                 released = self.channel.drop_reader(logical[len(BATCHES):], group,
                                                     roots=self.config.payload_roots)
-            log.warning("janitor: group %s of %s stopped reading (lapsed %.0fs ago): unregistered, destroyed, "
-                        "released as the reader of %d payload(s)", group, logical, since_ms / 1000, released)
+            log.warning("janitor: group %s of %s is dead (beat lapsed %.0fs ago, no consumer within its TTL): "
+                        "unregistered, destroyed (a consumer that comes back resumes after %s), released as the "
+                        "reader of %d payload(s)", group, logical, since_ms / 1000, resume, released)
             out.append(GroupExpired(producer=self.publisher.producer, stream=logical, group=group,
                                     lapsed_s=since_ms / 1000, payloads_released=released))
         return out

@@ -11,6 +11,7 @@ Reading is all it does: it works with the read-only ``status`` ACL user.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -90,6 +91,10 @@ class BusSnapshot:
     recent_dead_letters: list[dict[str, str]]
     engines: dict[str, EngineRecord]
     policies: dict[str, PolicyRecord]
+    degraded: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Durable writes waiting for their replicas, by writer (``keys.durability_status``)."""
+    epoch: str | None = None
+    """The namespace's bus epoch (``keys.bus_epoch``); None: not created, or Redis lost it."""
 
 
 def _group(c: redis.Redis, stream: str, info: dict[str, Any]) -> GroupStat:
@@ -143,8 +148,22 @@ def bus_snapshot(client: redis.Redis, keys: Keys, *, guard: Guard | None = None,
                 [queue_stats(c, q) for q in (keys.rollout_queue, keys.eval_queue)],
                 int(c.xlen(keys.dead_letters)), _recent_dead_letters(c, keys, recent_dead_letters))
     stream_rows, queue_rows, dead, recent = g.call(read)
+    degraded = g.call(lambda c: _degraded(c.hgetall(keys.durability_status)))
+    epoch = g.call(lambda c: c.get(keys.bus_epoch))
     return BusSnapshot(keys.namespace, stream_rows, queue_rows, dead, recent, registry.engines(),
-                       registry.policies())
+                       registry.policies(), degraded, None if epoch is None else as_str(epoch))
+
+
+def _degraded(raw: dict[Any, Any]) -> dict[str, dict[str, Any]]:
+    """The durability status hash, each value parsed as a JSON object (anything else is shown as text)."""
+    out: dict[str, dict[str, Any]] = {}
+    for writer, value in raw.items():
+        try:
+            state = json.loads(value)
+        except (ValueError, UnicodeDecodeError):
+            state = None
+        out[as_str(writer)] = state if isinstance(state, dict) else {"what": repr(value)[:200]}
+    return out
 
 
 # --- collector ---------------------------------------------------------------------------------
@@ -211,4 +230,6 @@ def families(snap: BusSnapshot) -> Iterator[Metric]:
     for rec in snap.engines.values():
         for policy, version in sorted(rec.versions.items()):
             engine_versions.add_metric([ns, rec.engine_id, policy], version)
-    yield from (length, lag, pending, consumers, dead, jobs, engines, versions, engine_versions)
+    degraded = _gauge("durable_writes_degraded", "Durable writes waiting for their replicas past their tries", [])
+    degraded.add_metric([ns], len(snap.degraded))
+    yield from (length, lag, pending, consumers, dead, jobs, engines, versions, engine_versions, degraded)

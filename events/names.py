@@ -131,10 +131,29 @@ class Keys:
         """Sorted set group -> the time (ms, Redis clock) its registration lapses unless a consumer beats."""
         return self._k("group-beats", self._local(stream))
 
+    def group_ttls(self, stream: str) -> str:
+        """Hash group -> the TTL (ms) its consumers beat with: the janitor's liveness test uses it."""
+        return self._k("group-beats", "ttl", self._local(stream))
+
+    def expired_groups(self, stream: str) -> str:
+        """Hash group -> where the janitor found it when it expired it (JSON: ``resume_after``, ``expired_ms``);
+        a consumer of that group that comes back resumes there."""
+        return self._k("groups", "expired", self._local(stream))
+
     def _local(self, stream: str) -> str:
         """``stream`` without this namespace's prefix (a foreign name is kept whole)."""
         head = self.prefix + ":"
         return stream[len(head):] if stream.startswith(head) else stream
+
+    @property
+    def bus_epoch(self) -> str:
+        """A random id written once when the namespace is first used; if it vanishes, Redis lost the run's data."""
+        return self._k("epoch")
+
+    @property
+    def durability_status(self) -> str:
+        """Hash writer -> JSON of a durable write its replicas have not confirmed yet (``rollout-bus status``)."""
+        return self._k("durability")
 
     @property
     def engine_registry(self) -> str:

@@ -28,6 +28,7 @@ from rollout_bus.events.connection import (
     durability,
     pack,
     raise_errors,
+    status_hook,
 )
 from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys
@@ -102,6 +103,7 @@ class Publisher:
         self._dedupe_prefix: dict[str, str] = {}
         self.durability = durability(client)
         self._leased: Any = None  # the publish script bound to a lease, registered on first use
+        self.durability_status = status_hook(client, keys.durability_status, str(producer))
 
     def publish(self, stream: str, event: Event, *, idempotency_key: str | None = None,
                 maxlen: int = 0, durable: bool = False, lease: LeaseFence | None = None) -> str:
@@ -209,7 +211,7 @@ class Publisher:
             replies = self.guard.call(lambda c: self._evalsha(c, calls, d))
             return replies[:-1], int(replies[-1])
         stream = as_str(calls[0][0][0])
-        return [as_str(r) for r in confirm_replicated(d, f"publish to {stream}", attempt)]
+        return [as_str(r) for r in confirm_replicated(d, f"publish to {stream}", attempt, self.durability_status)]
 
     def _evalsha(self, c: redis.Redis, calls: list[_Call], wait: Durability | None) -> list[Any]:
         """The replies of ``calls``, and with ``wait`` the replicas that acknowledged them last."""

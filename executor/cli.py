@@ -89,6 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(ns)
 
+    from rollout_bus.events.connection import connect
+    from rollout_bus.events.epoch import stop_on_bus_reset
+    from rollout_bus.events.names import Keys
     from rollout_bus.executor.errors import PluginError
     from rollout_bus.executor.service import ExecutorService
 
@@ -99,10 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("executor").error("cannot start: %s", exc)
         service.stop()
         return 2
-    try:
-        service.work(burst=ns.burst, max_jobs=ns.max_jobs)
+    watch_client = connect(config.redis_url)
+    try:  # SIGTERM on a bus reset: rq's warm shutdown, then the reset is raised
+        with stop_on_bus_reset(watch_client, Keys(config.namespace), f"executor-{config.index}"):
+            try:
+                service.work(burst=ns.burst, max_jobs=ns.max_jobs)
+            finally:
+                service.stop()
     finally:
-        service.stop()
+        watch_client.close()
     return 0
 
 

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=d.out, help="logs, weights, checkpoints, summary.json, reward.png")
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else a private redis-server")
     p.add_argument("--namespace", default=None, help="default: a fresh one per run")
+    p.add_argument("--no-redis-aof", dest="redis_aof", action="store_false",
+                   help="the private redis-server keeps no append-only file (default: <out>/redis/, fsync every "
+                        "second; see docs/architecture.md for its cost)")
     g = p.add_argument_group("rollouts and training")
     g.add_argument("--n-groups", type=int, default=None, help="prompts per rollout")
     g.add_argument("--n-samples", type=int, default=None, help="samples per prompt")
@@ -78,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences an engine decodes together")
     g.add_argument("--warm-steps", type=int, default=d.warm_steps)
     g.add_argument("--warm-keep", type=float, default=d.warm_keep, help="share of correct warm-start labels")
+    g.add_argument("--init-dir", default=None, metavar="DIR",
+                   help="cache of warm-started weights, one subdirectory per warm-start config (default <out>/init)")
     g.add_argument("--trainer-arg", dest="trainer_args", action="append", default=[],
                    help="extra `rollout-bus trainer` argument (repeatable), e.g. --trainer-arg=--tis-cap=3")
     m = p.add_argument_group("a Hugging Face model (word problems with a verifiable reward instead of the tiny LM)")

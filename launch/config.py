@@ -23,6 +23,8 @@ class RunConfig:
     out: str = "runs/latest"
     redis_url: str | None = None
     namespace: str | None = None
+    redis_aof: bool = True
+    """The private redis-server (no ``redis_url``) keeps an append-only file in ``<out>/redis`` (fsync every second)."""
     # --- rollouts and training ---------------------------------------------------------------
     n_groups: int = 16
     n_samples: int = 8

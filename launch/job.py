@@ -49,6 +49,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     runs it on another host or in a network namespace (see ``launch.procs.ProcessSet.place``)."""
     from rollout_bus.events.connection import connect, redis_url
     from rollout_bus.events.embedded import private_redis
+    from rollout_bus.events.epoch import create_epoch
     from rollout_bus.events.names import Keys
     from rollout_bus.launch.procs import ProcessSet, RestartPolicy, signals_deferred
     from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards, run_faults
@@ -59,14 +60,16 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     started = time.monotonic()
     out = Path(config.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("checkpoints", "weights", "logs", "recording", "metrics"):  # a run starts afresh in its directory
+    for stale in ("checkpoints", "weights", "logs", "recording", "metrics", "redis"):  # a run starts afresh
         shutil.rmtree(out / stale, ignore_errors=True)
     namespace = config.namespace or f"run-{uuid.uuid4().hex[:8]}"
     keys = Keys(namespace)
     server = None
     url = config.redis_url or os.environ.get("REDIS_URL")
-    if not url:
-        server = private_redis()
+    if not url:  # its append-only file lives in the run directory: a crash of the server loses at most ~1 s
+        if config.redis_aof:
+            (out / "redis").mkdir()
+        server = private_redis(out / "redis" if config.redis_aof else None, appendonly=config.redis_aof)
         url = server.url
     url = redis_url(url)
     procs = ProcessSet(out / "logs", env={"ROLLOUT_BUS_NAMESPACE": namespace, "REDIS_URL": url}, place=place)
@@ -75,6 +78,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     policies = config.policies()
     holding = False
     try:
+        epoch = create_epoch(client, keys)  # before any role: each checks it, and so does _follow
         if config.model is not None:
             init = resolve_model(config.model)
             task = task_options(config, init)
@@ -129,7 +133,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                     for p in policies]
         if on_start is not None:
             on_start(RunHandle(procs, keys, url))
-        runlog = _follow(config, client, keys, procs, trainers, started)
+        runlog = _follow(config, client, keys, procs, trainers, started, epoch)
         if config.model is not None and config.eval_groups > 0:  # each policy's last version
             for p in policies:
                 evals[p]["after"] = _evaluate(config, client, keys, procs, p, runlog.policy(p).steps, task, "after",
@@ -362,25 +366,33 @@ def _adopt_engines(client: Any, keys: Any, procs: Any) -> None:
             procs.adopt(record.pid, record.engine_id)
 
 
-def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float) -> Any:
-    """Follow the trainer stream until every trainer is done; restart what died; fail when one keeps dying."""
+def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float,
+            epoch: Any) -> Any:
+    """Follow the trainer stream until every trainer is done; restart what died; fail when one keeps dying,
+    or when Redis lost the run's data (its bus epoch vanished: ``RunFailed`` with that reason)."""
     from tqdm import tqdm
 
-    from rollout_bus.events.errors import BusError
+    from rollout_bus.events.errors import BusError, BusReset
     from rollout_bus.launch.procs import GaveUp, exit_text
     from rollout_bus.launch.report import RunLog
 
     runlog = RunLog()
-    last_adopt = 0.0
+    last_adopt = last_epoch = 0.0
     total = config.steps * len(trainers)
     with tqdm(total=total, unit="step", disable=not config.progress, dynamic_ncols=True,
               desc=f"{config.mode}") as bar:
         while True:
             try:
+                if time.monotonic() - last_epoch > 1.0:
+                    last_epoch = time.monotonic()
+                    epoch.check()
                 new = runlog.follow(client, keys, block_ms=300)
                 if time.monotonic() - last_adopt > 1.0:
                     _adopt_engines(client, keys, procs)
                     last_adopt = time.monotonic()
+            except BusReset as exc:
+                raise RunFailed(f"{exc}; the run stops (its streams, groups and registry are gone: nothing to "
+                                "resume from)") from None
             except BusError as exc:  # Redis away longer than the reconnect budget: the roles wait too
                 log.warning("following the run: %s", exc)
                 new = []

@@ -84,6 +84,12 @@ def render(snap: BusSnapshot, *, now_ms: int | None = None) -> str:
             rows.append([st.stream, st.length, st.last_id, g.name, g.consumers, g.pending, lag])
     out += ["", "STREAMS", format_table(["stream", "length", "last_id", "group", "consumers", "pending", "lag"],
                                         rows)]
+    if snap.degraded:
+        out += ["", "DURABILITY DEGRADED (writes waiting for their replicas)", format_table(
+            ["writer", "write", "acked", "waiting_s", "bound_s"],
+            [[w, d.get("what", "?"), f"{d.get('acked', '?')}/{d.get('replicas', '?')}",
+              f"{max(0, now - int(d.get('since_ms') or now)) / 1000:.1f}", d.get("bound_s", "?")]
+             for w, d in sorted(snap.degraded.items())])]
     out += ["", f"DEAD LETTERS {snap.dead_letters}"]
     if snap.recent_dead_letters:
         out.append(format_table(["id", "source", "group", "deliveries", "reason"],

@@ -196,8 +196,10 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
         raise SystemExit(problem)
 
     from rollout_bus.events.connection import connect
+    from rollout_bus.events.epoch import stop_on_bus_reset
     from rollout_bus.events.errors import LeaseLost
     from rollout_bus.events.metrics import serve_metrics
+    from rollout_bus.events.names import Keys
     from rollout_bus.trainer.service import Trainer
 
     if ns.metrics_port is not None:
@@ -207,22 +209,26 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
     if setup is not None:
         setup(trainer)
     try:
-        trainer.start()
-        state = trainer.run()
-        logging.getLogger("trainer").info("done: %d steps, version %d", state.step, state.version)
+        with stop_on_bus_reset(client, Keys(config.namespace), "trainer"):  # SIGTERM: SystemExit, then stop
+            try:
+                trainer.start()
+                state = trainer.run()
+                logging.getLogger("trainer").info("done: %d steps, version %d", state.step, state.version)
+            finally:
+                trainer.stop()
     except LeaseLost as exc:
         logging.getLogger("trainer").error(
             "deposed: trainer %s no longer holds the lease of policy %s (%s); it stops and writes nothing more "
             "(exit %d)", config.trainer_id, config.policy, exc, LeaseLost.exit_code)
         return LeaseLost.exit_code
     finally:
-        trainer.stop()
         client.close()
     return 0
 
 
 def run_recorder(ns: argparse.Namespace) -> int:
     from rollout_bus.events.connection import connect
+    from rollout_bus.events.epoch import stop_on_bus_reset
     from rollout_bus.events.names import Keys
     from rollout_bus.trainer.recorder import Recorder, RecorderConfig
 
@@ -231,11 +237,14 @@ def run_recorder(ns: argparse.Namespace) -> int:
     recorder = Recorder(client, keys, RecorderConfig(policy=ns.policy, out_dir=ns.out, name=ns.name,
                                                      start_id=ns.start))
     try:
-        recorder.start()
-        recorder.run(ns.max_batches)
+        with stop_on_bus_reset(client, keys, "recorder"):
+            try:
+                recorder.start()
+                recorder.run(ns.max_batches)
+            finally:
+                recorder.stop()
+                recorder.close()
     finally:
-        recorder.stop()
-        recorder.close()
         client.close()
     return 0
 

@@ -124,6 +124,7 @@ class RolloutClient:
 
     def stop(self) -> None:
         self._buffer.clear()
+        self.consumer.close()
         self.payloads.close()
         self.lease.release()
 

@@ -202,3 +202,61 @@ def test_the_chaos_schedule_is_a_seeded_random_order_of_every_fault() -> None:
     assert [s for s, _ in schedule] == sorted({s for s, _ in schedule}) and schedule[0][0] >= 2
     assert draw_schedule(SEED + 1) != schedule
 
+
+
+def test_a_redis_restart_without_persistence_stops_the_run_with_that_reason_and_leaves_no_engine(
+        tmp_path: Path) -> None:
+    """Redis SIGKILLed and started again empty mid-run (no append-only file): every role notices its bus
+    epoch gone within seconds and exits with the reason, and ``rollout-bus run`` stops non-zero, saying why,
+    with no engine process left, instead of finishing with exit 0 and a summary without rewards."""
+    import subprocess
+    import sys
+    from datetime import datetime
+
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(data_dir=tmp_path / "redis").start()  # --appendonly no, --save "": nothing survives
+    namespace = "reset-" + os.urandom(4).hex()
+    keys = Keys(namespace)
+    out = tmp_path / "out"
+    env = {**os.environ, "ROLLOUT_BUS_EPOCH_CHECK_S": "0.5"}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "rollout_bus", "run", "--redis-url", server.url, "--namespace", namespace,
+         "--steps", "400", "--seed", "0", "--out", str(out), "--init-dir", str(shared_init_dir()), "--no-progress",
+         "--no-plot", "--timeout-s", "200", "--restart-budget", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        client = connect(server.url)
+        guard = Guard(client, ReconnectPolicy(max_wait_s=30), name="chaos")
+        _wait("trainer step 2", lambda: job.poll() is not None or _trainer_step(guard, keys) >= 2, 150)
+        assert job.poll() is None, job.communicate()[0].decode(errors="replace")[-3000:]
+        epoch = client.get(keys.bus_epoch)
+        engines = {e.engine_id: e.pid for e in Registry(client, keys).engines().values()}
+        assert epoch and engines and all(pid and processes.alive(pid, cmdline_has="engine")
+                                         for pid in engines.values()), engines
+        server.kill()
+        assert server.proc is not None and server.proc.returncode == -signal.SIGKILL
+        server.restart()
+        restarted, restarted_wall = time.monotonic(), time.time()
+        client = connect(server.url)
+        assert client.get(keys.bus_epoch) != epoch  # the fault landed: the run's data is gone
+        output, _ = job.communicate(timeout=120)
+        stopped_s = time.monotonic() - restarted
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        server.stop()
+    text = output.decode(errors="replace")
+    print(text[-3000:])
+    assert job.returncode != 0, text[-2000:]
+    assert f"run failed: Redis lost the data of namespace {namespace}" in text, text[-2000:]
+    assert "reward" not in text.split("run failed:")[1]  # no summary pretending the run finished
+    assert stopped_s < 60
+    for role in ("controller", "executor-0", "trainer-p0"):  # each noticed on its own and exited with the reason
+        log_text = (out / "logs" / f"{role}.log").read_text(errors="replace")
+        assert "BusReset: Redis lost the data of namespace" in log_text, (role, log_text[-2000:])
+        line = next(ln for ln in log_text.splitlines() if ": stopping: Redis lost the data" in ln)
+        noticed = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        assert noticed - restarted_wall < 10, (role, noticed - restarted_wall)
+    left = {name: pid for name, pid in engines.items() if pid and processes.alive(pid, cmdline_has="engine")}
+    assert left == {}, f"engine processes left after the run stopped: {left}"

@@ -82,7 +82,8 @@ def test_a_group_that_stopped_beating_expires_and_stops_holding_entries_and_payl
     assert redis_client.zcard(keys.payload_index) == 3  # the group that left still holds every payload
     pub = Publisher(redis_client, keys, PRODUCER)
     assert Janitor(redis_client, keys, pub, JanitorConfig(max_len=0)).run_once().expired == []  # not lapsed yet
-    time.sleep(0.4)  # its consumers are gone: no beat
+    gone.close()  # its consumers are gone: no beat
+    time.sleep(0.4)
     live.read()  # the live group beats (a read)
     report = Janitor(redis_client, keys, pub, JanitorConfig(max_len=0)).run_once()
     assert [(e.stream, e.group, e.payloads_released) for e in report.expired] == [("batches/p0", "left-trainer", 3)]

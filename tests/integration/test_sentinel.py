@@ -74,6 +74,7 @@ def test_a_replica_that_never_acknowledges_is_a_clear_error_within_bounded_time(
         cluster: SentinelCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLOUT_BUS_WAIT_TIMEOUT_MS", "200")
     monkeypatch.setenv("ROLLOUT_BUS_WAIT_ATTEMPTS", "2")
+    monkeypatch.setenv("ROLLOUT_BUS_WAIT_DEGRADED_S", "0")  # no degraded wait: the error at once
     client = connect(cluster.url)
     publisher = Publisher(client, keys, Producer("trainer", "t0"))
     channel = BatchChannel(client, keys, publisher=publisher)

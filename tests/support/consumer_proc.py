@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--claim-idle-ms", type=int, default=500)
     p.add_argument("--claim-every-ms", type=int, default=100)
     p.add_argument("--max-deliveries", type=int, default=5)
+    p.add_argument("--group-ttl-s", type=float, default=900.0)
+    p.add_argument("--start-id", default="0", help="where a new group starts (the trainer's is $)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
 
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     client = connect(args.url)
     config = ConsumerConfig(block_ms=args.block_ms, count=args.count, claim_idle_ms=args.claim_idle_ms,
-                            claim_every_ms=args.claim_every_ms, max_deliveries=args.max_deliveries)
+                            claim_every_ms=args.claim_every_ms, max_deliveries=args.max_deliveries,
+                            group_ttl_s=args.group_ttl_s, start_id=args.start_id)
     consumer = Consumer(client, Keys(args.namespace), args.stream, args.group, args.name, config)
     consumer.ensure_group()
 
