@@ -34,11 +34,11 @@ from redis.exceptions import NoScriptError
 
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
 from rollout_bus.events.connection import Durability, Guard, Redis, as_str, confirm_replicated
-from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
+from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing, PayloadTooLarge
 from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys, check_name
 from rollout_bus.events.payload import make_store
-from rollout_bus.events.payload.base import PayloadStore, Reference, check_ref, make_ref
+from rollout_bus.events.payload.base import PayloadStore, Reference, check_owner, check_ref, make_ref
 from rollout_bus.events.payload.file import FileStore
 from rollout_bus.events.payload.shm import DEFAULT_ROOT as SHM_ROOT
 from rollout_bus.events.payload.shm import ShmStore
@@ -145,6 +145,7 @@ class BatchChannel:
         self.client = client
         self.keys = keys
         self.store = store or make_store("redis", client, keys)
+        self.store.max_bytes = max_bytes
         self.publisher = publisher or Publisher(client, keys, Producer("batches", socket.gethostname()))
         self.payload_ttl_s = payload_ttl_s
         self.max_bytes = max_bytes
@@ -225,6 +226,7 @@ class BatchChannel:
         if not away:
             return store
         if store.fallback is not None:
+            store.fallback.max_bytes = self.max_bytes
             self._stores.setdefault(store.fallback.name, store.fallback)
             return store.fallback
         raise InvalidRequest(
@@ -250,7 +252,16 @@ class BatchChannel:
 
     # --- consuming ---------------------------------------------------------------------
     def fetch(self, event: BatchReady, *, verify: bool = True) -> Batch:
-        """The batch an event points to; ``PayloadMissing`` when its payload is gone."""
+        """The batch an event points to; ``PayloadMissing`` when its payload is gone.
+
+        Checked before any byte is read: the reference must be a payload of the event's own policy
+        and batch (``DecodeError`` otherwise), and the sizes the event and its reference declare must
+        not exceed ``max_bytes`` (``PayloadTooLarge``): an event is untrusted input.
+        """
+        check_owner(event.payload.get("ref"), event.policy, event.batch_id)
+        if event.bytes > self.max_bytes:
+            raise PayloadTooLarge(f"batch {event.batch_id} of policy {event.policy} declares {event.bytes} bytes, "
+                                  f"more than the maximum batch size of {self.max_bytes} bytes")
         try:
             return decode(self.store_for(event.payload).get(event.payload), verify=verify)
         except PayloadMissing as exc:
@@ -266,6 +277,8 @@ class BatchChannel:
         """
         reference = event.payload if isinstance(event, BatchReady) else event
         ref = check_ref(reference.get("ref"))
+        if isinstance(event, BatchReady):  # never release (and so delete) another batch's payload
+            check_owner(ref, event.policy, event.batch_id)
         check_name("group", group)
         store = self.store_for(reference)
         inline = store.redis_keys(reference)
@@ -303,6 +316,7 @@ class BatchChannel:
             raise DecodeError(f"payload reference names store {kind!r}, which this channel cannot open "
                               f"(it uses {self.store.name!r}; a file store needs its directory)")
         store = self._stores[kind] = make_store(kind, self.client, self.keys)
+        store.max_bytes = self.max_bytes
         return store
 
     def close(self) -> None:

@@ -153,7 +153,14 @@ class TrainData:
         return cls.from_tensors({**batch.tensors, **batch.ragged}, batch.meta)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field with a wrong dtype or shape."""
+        """Raise ``ValueError`` naming the first field with a wrong dtype, shape or value.
+
+        Values are checked too, since one bad value poisons a training step: rewards (the GRPO
+        advantages), raw rewards and rollout log-probs must be finite, token ids and lengths
+        non-negative, every prompt at least one token long (a response token's log-prob sits at
+        the column of the token before it), loss masks 0 or 1. Ids in the vocabulary need the
+        model: ``check_vocab``.
+        """
         n = len(self)
         for name, dtype in SCALAR_FIELDS.items():
             t: Tensor = getattr(self, name)
@@ -174,6 +181,29 @@ class TrainData:
         for name in ("loss_masks", "rollout_log_probs"):
             if not torch.equal(getattr(self, name).lengths, self.response_lengths):
                 raise ValueError(f"{name}: row lengths must equal response_lengths")
+        self._validate_values()
+
+    def _validate_values(self) -> None:
+        for name, t in (("rewards", self.rewards), ("raw_reward", self.raw_reward),
+                        ("rollout_log_probs", self.rollout_log_probs.values)):
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(f"{name}: value {float(t[i])!r} at index {i} is not finite")
+        if bool((self.response_lengths < 0).any()) or bool((self.prompt_lengths < 1).any()):
+            raise ValueError("prompt_lengths must be >= 1 and response_lengths >= 0")
+        tokens = self.tokens.values
+        if tokens.numel() and int(tokens.min()) < 0:
+            raise ValueError(f"tokens: negative token id {int(tokens.min())}")
+        masks = self.loss_masks.values
+        if bool(((masks != 0) & (masks != 1)).any()):
+            raise ValueError("loss_masks: values must be 0 or 1")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """``DecodeError`` when a token id is outside ``[0, vocab_size)`` (it would fail inside the model)."""
+        tokens = self.tokens.values
+        if tokens.numel() and int(tokens.max()) >= vocab_size:
+            raise DecodeError(f"tokens: id {int(tokens.max())} is outside the model's vocabulary of {vocab_size}")
 
     # --- views -------------------------------------------------------------------------
     def sample(self, i: int) -> SampleView:

@@ -331,8 +331,13 @@ def cmd_offline(ns: argparse.Namespace) -> int:
     from rollout_bus.lm.hf import is_hf_dir
     from rollout_bus.replay.offline import run_offline as train_offline
     from rollout_bus.replay.offline import write_outputs
+    from rollout_bus.trainer.finite import NonFiniteStep
 
-    result, model = train_offline(config)
+    try:
+        result, model = train_offline(config)
+    except NonFiniteStep as exc:  # nothing is written: the weights would not be finite
+        print(f"rollout-bus replay offline: {exc}", file=sys.stderr)
+        return 1
     tokenizer = None
     if ns.out and not ns.lora and is_hf_dir(config.model_path):  # a whole model directory: its tokenizer too
         from rollout_bus.lm.hf import load_tokenizer

@@ -8,6 +8,13 @@ Otherwise its entries get new ids (``*``), in the same order, and a warning says
 a new reference, the ``BatchReady`` entry is re-encoded with it (same event id and time),
 so every imported reference resolves. Consumer groups can be recreated where each one
 stood at export (its first unacknowledged entry), so a trainer resumes where it was.
+
+An id is kept only if it is no later than the target server's clock (plus ``FUTURE_ALLOWANCE_MS``).
+A genuine export holds ids Redis made before the export, so a later one is forged or comes from a
+server whose clock ran ahead; kept, it would move the stream's last id into the future, and the
+greatest id (``18446744073709551615-18446744073709551615``) would make every later XADD on the
+stream fail. Such an entry and the rest of its stream get new ids (remapped, not refused: the
+events are kept, in order, and their groups start early enough to get each of them).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from rollout_bus.replay.logfile import Header, LogEntry, LogReader, Payload, id_
 
 log = logging.getLogger(__name__)
 _FLUSH_EVERY = 256
+FUTURE_ALLOWANCE_MS = 5 * 60 * 1000
+"""How far ahead of the target server's clock an imported id may be and still be kept (clock skew)."""
 
 
 class PayloadSink(Protocol):
@@ -88,6 +97,9 @@ class Importer:
         self._last: dict[str, tuple[int, int]] = {}
         self._groups_done: set[str] = set()
         self._queue: list[tuple[str, dict[bytes, bytes], str, LogEntry]] = []
+        self._now_ms: int | None = None
+        self._kept_last: dict[str, str] = {}
+        self._remapped_after: dict[str, str] = {}
 
     def run(self, reader: LogReader, *, restore_groups: bool = False) -> ImportStats:
         if restore_groups:  # groups of streams that do not exist yet: before the entries, so payloads get readers
@@ -117,6 +129,13 @@ class Importer:
                 mode = self._set_mode(entry.stream, "new")
             else:
                 mode = self._set_mode(entry.stream, "preserve")
+        if mode == "preserve" and entry.sort_key[0] > self._server_ms() + FUTURE_ALLOWANCE_MS:
+            log.warning("%s: entry id %s is ahead of this server's clock: it and the rest of the stream get new ids",
+                        target, entry.id)
+            self._remapped_after[entry.stream] = self._kept_last.get(entry.stream, "0-0")
+            mode = self._set_mode(entry.stream, "new")
+        if mode == "preserve":
+            self._kept_last[entry.stream] = entry.id
         fields = self._restore_payload(entry)
         self._queue.append((target, fields, entry.id if mode == "preserve" else "*", entry))
         self.stats.entries[entry.stream] = self.stats.entries.get(entry.stream, 0) + 1
@@ -135,6 +154,12 @@ class Importer:
         log.warning("%s already holds entries up to %s-%s: imported entries get new ids", target, *last)
         self._group_start[entry.stream] = f"{last[0]}-{last[1]}"
         return self._set_mode(entry.stream, "new")
+
+    def _server_ms(self) -> int:
+        if self._now_ms is None:
+            sec, usec = self.guard.call(lambda c: c.time())
+            self._now_ms = int(sec) * 1000 + int(usec) // 1000
+        return self._now_ms
 
     def _set_mode(self, stream: str, mode: str) -> str:
         self._mode[stream] = mode
@@ -201,6 +226,9 @@ class Importer:
                 if start is None:
                     first = group.get("first_needed_id")
                     start = before(first) if isinstance(first, str) else "0"
+                    remapped = self._remapped_after.get(rng.stream)
+                    if remapped is not None and id_key(remapped) < id_key(start):
+                        start = remapped  # before the first entry that got a new id
                 self._create_group(target, group["name"], start)
             self._groups_done.add(rng.stream)
 

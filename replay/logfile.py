@@ -17,6 +17,11 @@ the order it made them, by their header's ``seq`` (``producer_order``). A batch'
 bytes come *before* its ``BatchReady`` entry, cut in parts of at most ``PART_BYTES``, so a
 reader that restores them has every payload in place before the entry that refers to it.
 The ``end`` record tells a complete log from a truncated one. Nothing is pickled.
+
+A log is untrusted input: ``LogReader`` reads records with bounded cost (``replay.records``:
+each record's structure is walked before it is unpacked, within ``ReadLimits``) and checks
+every field it uses, so a malformed or hostile file is a one-line ``DecodeError``, never
+another exception or an allocation out of proportion to the file.
 """
 
 from __future__ import annotations
@@ -33,14 +38,21 @@ import msgpack
 
 from rollout_bus.events.errors import DecodeError
 from rollout_bus.events.names import BATCHES
-from rollout_bus.events.schema import FIELD, BatchReady, Event, decode
+from rollout_bus.events.schema import FIELD, MAX_EVENT_BYTES, BatchReady, Event, decode
+from rollout_bus.replay.records import (
+    PART_BYTES,
+    OutOfData,
+    ReadLimits,
+    RecordReader,
+    check_fields,
+    check_id,
+    typed,
+)
 
 log = logging.getLogger(__name__)
 
 FORMAT = "rollout-bus-log"
 FORMAT_VERSION = 1
-PART_BYTES = 16 << 20
-_MAX_RECORD_BYTES = 128 << 20  # one record: a payload part or an entry (dead letters keep raw fields)
 
 
 # --- records --------------------------------------------------------------------------------
@@ -152,10 +164,10 @@ def producer_order(entries: Iterable[LogEntry]) -> Iterator[LogEntry]:
 def _sequence(entry: LogEntry) -> tuple[tuple[str, str], int] | None:
     """(producer, seq) of an entry's event header, or None when it has none (read without full decoding)."""
     raw = entry.fields.get(FIELD) if isinstance(entry.fields, dict) else None
-    if not isinstance(raw, bytes | bytearray | memoryview):
+    if not isinstance(raw, bytes | bytearray | memoryview) or len(raw) > MAX_EVENT_BYTES:
         return None
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_array_len=1024, max_map_len=1024)
         producer, seq = data["producer"], data["seq"]
         key = (str(producer["role"]), str(producer["instance"]))
     except Exception:
@@ -238,63 +250,88 @@ class LogReader:
     """Reads a log file lazily: ``header`` at once, then records in file order.
 
     A file without its ``end`` record raises ``DecodeError`` at the end of the iteration
-    (a cut or still-growing file) unless ``allow_truncated``.
+    (a cut or still-growing file) unless ``allow_truncated``. Every malformed record, and any
+    record beyond ``limits``, raises ``DecodeError`` naming the file and what is wrong.
     """
 
-    def __init__(self, path: str | Path, *, allow_truncated: bool = False) -> None:
+    def __init__(self, path: str | Path, *, allow_truncated: bool = False, limits: ReadLimits | None = None) -> None:
         self.path = Path(path)
         self.allow_truncated = allow_truncated
+        self.limits = limits or ReadLimits()
         self.complete = False
         self.counts: dict[str, Any] = {}
         self._file = self.path.open("rb")
-        self._unpacker = msgpack.Unpacker(self._file, raw=False, strict_map_key=False,
-                                          max_buffer_size=_MAX_RECORD_BYTES)
-        self.header = self._read_header()
+        self._records = RecordReader(self._file, self.limits)
+        try:
+            self.header = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _fail(self, reason: str) -> DecodeError:
+        return DecodeError(f"{self.path}: {reason}")
 
     def _next(self) -> dict[str, Any] | None:
         try:
-            record = self._unpacker.unpack()
-        except msgpack.OutOfData:
+            record = self._records.next()
+        except OutOfData:
             return None
-        except Exception as exc:
-            raise DecodeError(f"{self.path}: not a rollout-bus log record: {exc}") from None
+        except DecodeError as exc:
+            raise self._fail(exc.reason) from None
         if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
-            raise DecodeError(f"{self.path}: malformed record")
+            raise self._fail("malformed record (not a map with a 'kind')")
         return record
 
     def _read_header(self) -> Header:
         first = self._next()
         if first is None or first.get("kind") != "header" or first.get("format") != FORMAT:
-            raise DecodeError(f"{self.path}: not a {FORMAT} file")
+            raise self._fail(f"not a {FORMAT} file")
         if first.get("format_version") != FORMAT_VERSION:
-            raise DecodeError(f"{self.path}: format version {first.get('format_version')!r}, "
-                              f"this reader knows {FORMAT_VERSION}")
-        ranges = [StreamRange(r["stream"], r["start"], r["end"], r["length"], r.get("groups", []))
-                  for r in first["ranges"]]
-        return Header(first["namespace"], first["created_ms"], ranges, first["format_version"])
+            raise self._fail(f"format version {first.get('format_version')!r}, this reader knows {FORMAT_VERSION}")
+        try:
+            ranges = [self._range(r) for r in typed(first, "ranges", list, "header")]
+            return Header(typed(first, "namespace", str, "header"), typed(first, "created_ms", int, "header"),
+                          ranges, FORMAT_VERSION)
+        except DecodeError as exc:
+            raise self._fail(exc.reason) from None
+
+    @staticmethod
+    def _range(r: Any) -> StreamRange:
+        where = "header range"
+        if not isinstance(r, dict):
+            raise DecodeError(f"{where} is not a map")
+        groups = r.get("groups", [])
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise DecodeError(f"{where}: 'groups' must be a list of maps")
+        for g in groups:
+            typed(g, "name", str, "header group")
+            if g.get("first_needed_id") is not None:
+                check_id(g["first_needed_id"], "header group's first_needed_id")
+        return StreamRange(typed(r, "stream", str, where), typed(r, "start", str, where), typed(r, "end", str, where),
+                           typed(r, "length", int, where), groups)
 
     def __iter__(self) -> Iterator[Record]:
-        parts: list[bytes] = []
+        parts = _Parts(self.limits)
         while (record := self._next()) is not None:
             kind = record["kind"]
-            if kind == "entry":
-                yield LogEntry(record["stream"], record["id"], record["fields"])
-            elif kind == "payload":
-                parts.append(record["data"])
-                if len(parts) == record["parts"]:
-                    data = b"".join(parts)
-                    parts = []
-                    if len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
-                        raise DecodeError(f"{self.path}: payload of batch {record['batch_id']} is corrupt")
-                    yield Payload(record["stream"], record["entry_id"], record["batch_id"], record["ref"], data)
-            elif kind == "end":
-                self.complete = True
-                self.counts = record
-                return
-            else:
-                raise DecodeError(f"{self.path}: unknown record kind {kind!r}")
+            try:
+                if kind == "entry":
+                    yield LogEntry(typed(record, "stream", str, "entry"), check_id(typed(record, "id", str, "entry")),
+                                   check_fields(record.get("fields"), "entry"))
+                elif kind == "payload":
+                    payload = parts.add(record)
+                    if payload is not None:
+                        yield payload
+                elif kind == "end":
+                    self.complete = True
+                    self.counts = record
+                    return
+                else:
+                    raise DecodeError(f"unknown record kind {kind!r}")
+            except DecodeError as exc:
+                raise self._fail(exc.reason) from None
         if not self.allow_truncated:
-            raise DecodeError(f"{self.path}: truncated log (no end record)")
+            raise self._fail("truncated log (no end record)")
         log.warning("%s: truncated log (no end record)", self.path)
 
     def entries(self) -> Iterator[LogEntry]:
@@ -311,6 +348,44 @@ class LogReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Parts:
+    """The parts of one payload, checked as they come: the same payload, in order, within its size."""
+
+    def __init__(self, limits: ReadLimits) -> None:
+        self.limits = limits
+        self.parts: list[bytes] = []
+        self.first: dict[str, Any] = {}
+        self.have = 0
+
+    def add(self, record: dict[str, Any]) -> Payload | None:
+        where = "payload part"
+        stream, entry_id = typed(record, "stream", str, where), check_id(typed(record, "entry_id", str, where))
+        batch_id, ref = typed(record, "batch_id", str, where), typed(record, "ref", dict, where)
+        size, parts, part = (typed(record, k, int, where) for k in ("size", "parts", "part"))
+        digest, data = typed(record, "sha256", str, where), typed(record, "data", bytes, where)
+        if not 0 <= size <= self.limits.max_payload_bytes:
+            raise DecodeError(f"payload of batch {batch_id!r} declares {size} bytes, outside [0, "
+                              f"{self.limits.max_payload_bytes}]")
+        if parts != max(1, -(-size // PART_BYTES)) or part != len(self.parts):
+            raise DecodeError(f"payload of batch {batch_id!r}: part {part} of {parts} out of order "
+                              f"or not the count its {size} bytes make")
+        key = {"stream": stream, "entry_id": entry_id, "size": size, "sha256": digest}
+        if self.parts and key != self.first:
+            raise DecodeError(f"payload of batch {batch_id!r}: a part of another payload before the last one ended")
+        self.have += len(data)
+        if self.have > size:
+            raise DecodeError(f"payload of batch {batch_id!r}: parts hold more than its {size} bytes")
+        self.first = key
+        self.parts.append(data)
+        if len(self.parts) < parts:
+            return None
+        joined = b"".join(self.parts)
+        self.parts, self.have = [], 0
+        if len(joined) != size or hashlib.sha256(joined).hexdigest() != digest:
+            raise DecodeError(f"payload of batch {batch_id} is corrupt")
+        return Payload(stream, entry_id, batch_id, ref, joined)
 
 
 def is_batch_ready(entry: LogEntry) -> BatchReady | None:

@@ -10,7 +10,9 @@ by one per step; with ``max_staleness`` the groups whose oldest sample lags more
 are left out (a batch left with nothing is skipped), and ``trained_only`` feeds only the
 batches a trainer of the log accepted. ``write_outputs`` writes ``batch_ids.txt`` (one id a
 line, in training order), ``result.json`` (ids, per-step and final metrics, the weights'
-hash) and the final weights under ``model/``.
+hash) and the final weights under ``model/``. A batch with bad values (``TrainData``'s checks, ids
+outside the model's vocabulary) raises ``DecodeError`` and a step the learner refuses raises
+``NonFiniteStep``, both naming the batch: an offline run never goes on to write poisoned weights.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from typing import Any
 
 import torch
 
-from rollout_bus.events.errors import InvalidRequest
+from rollout_bus.events.errors import DecodeError, InvalidRequest
 from rollout_bus.events.train_data import TrainData
 from rollout_bus.lm.hf import is_hf_dir, save_version
 from rollout_bus.lm.model import TinyLM, load_model, save_weights
 from rollout_bus.replay.feed import feed_batches, trained_batch_ids
 from rollout_bus.trainer.config import ConfigError, LossSettings, OptimConfig
+from rollout_bus.trainer.finite import NonFiniteStep
 from rollout_bus.trainer.hf_config import HFSettings
 from rollout_bus.trainer.hf_learner import HFLearner, load_causal_lm
 from rollout_bus.trainer.learner import Learner
@@ -164,6 +167,8 @@ def _learner(cfg: OfflineConfig) -> tuple[Any, Learner | HFLearner]:
 
 def _train(cfg: OfflineConfig, on_step: StepHook | None) -> tuple[OfflineResult, Any]:
     model, learner = _learner(cfg)
+    vocab = int(model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings")
+                else model.tok_emb.num_embeddings)
     only = set(trained_batch_ids(cfg.log, policy=cfg.policy, allow_truncated=cfg.allow_truncated)) \
         if cfg.trained_only else None
     version = cfg.initial_version
@@ -174,7 +179,11 @@ def _train(cfg: OfflineConfig, on_step: StepHook | None) -> tuple[OfflineResult,
     try:
         for batch_id, fields, meta in feed:
             ready = meta.pop("batch_ready")
-            data = TrainData.from_tensors(fields, meta)
+            try:
+                data = TrainData.from_tensors(fields, meta)
+                data.check_vocab(vocab)
+            except DecodeError as exc:
+                raise DecodeError(f"batch {batch_id}: {exc.reason}") from None
             split = split_stale(data, version, cfg.max_staleness)
             if split.fresh is None:
                 log.info("batch %s is entirely stale at version %d: skipped", batch_id, version)
@@ -182,7 +191,10 @@ def _train(cfg: OfflineConfig, on_step: StepHook | None) -> tuple[OfflineResult,
                 continue
             fresh = split.fresh
             staleness = version - fresh.weight_versions
-            metrics = learner.train_step(fresh)
+            try:
+                metrics = learner.train_step(fresh)
+            except NonFiniteStep as exc:
+                raise NonFiniteStep(f"batch {batch_id}: {exc}") from None
             version += 1
             metrics.update(
                 reward_mean=float(fresh.raw_reward.mean()), n_samples=float(len(fresh)),

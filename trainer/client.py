@@ -10,6 +10,12 @@ are touched (``Consumer.touch``) so that no claim takes them while they wait. ``
 after the training step: ``BatchConsumed`` (once per group and batch), the payload's release,
 then ``XACK`` last, so a crash anywhere before it only means the batch comes back.
 
+A batch that fails any check on the way in (an event of another policy, a payload of another
+batch or over ``max_batch_bytes``, undecodable bytes, train data with bad values or ids outside
+the vocabulary) is dead-lettered with its reason and never buffered; ``refused()`` hands it to the
+trainer, which asks for that rollout again. Only a payload that is gone keeps the old path (the
+batch is buffered without data).
+
 ``start`` takes the policy's trainer lease (``trainer.lease``): a second trainer of the same
 policy is refused unless it is a data-parallel rank of the same trainer. Every write of the
 client is bound to that lease: ``TrainerJoined``, ``BatchConsumed``, the payload's release and the
@@ -28,13 +34,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
-from rollout_bus.events.errors import DecodeError, InvalidRequest, LeaseLost, PayloadMissing
+from rollout_bus.events.errors import DecodeError, InvalidRequest, LeaseLost, PayloadMissing, PayloadTooLarge
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.rollouts import MAX_REQUEST_ID, RolloutRequest, SamplingParams
-from rollout_bus.events.schema import BatchConsumed, BatchReady, Producer, TrainerJoined
+from rollout_bus.events.schema import BatchConsumed, BatchReady, Producer, TrainerJoined, encode
 from rollout_bus.events.submit import RolloutSubmitter, SubmitConfig
 from rollout_bus.events.train_data import TrainData
 from rollout_bus.lm.tokenizer import EOS_ID
@@ -60,6 +67,10 @@ class ClientConfig:
     block_ms: int = 200
     lease_ttl_s: float = 30.0
     """The policy lease (one trainer per policy) lapses this long after this trainer stops renewing it."""
+    max_batch_bytes: int = DEFAULT_MAX_BYTES
+    """The largest payload read; a batch declaring more is dead-lettered before anything is allocated."""
+    vocab_size: int | None = None
+    """The model's vocabulary: a batch with a token id outside it is dead-lettered (None: not checked)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
@@ -99,13 +110,14 @@ class RolloutClient:
         self.producer = producer
         self.publisher = Publisher(client, keys, producer)
         self.submitter = RolloutSubmitter(client, keys, submit_config, producer=producer)
-        self.payloads = payloads or ChannelReader(client, keys)
+        self.payloads = payloads or ChannelReader(client, keys, max_bytes=config.max_batch_bytes)
         self.consumer_name = stable_consumer_name(config.trainer_id, config.consumer_index)
         self.consumer = Consumer(client, keys, keys.batch_stream(config.policy), config.group,
                                  self.consumer_name,
                                  ConsumerConfig(block_ms=config.block_ms, auto_ack=False, start_id=config.start_id,
                                                 claim_idle_ms=config.claim_idle_ms))
         self._buffer: OrderedDict[str, ReceivedBatch] = OrderedDict()
+        self._refused: list[ReceivedBatch] = []
         self._touched = time.monotonic()
         self.lease = PolicyLease(client, keys, config.policy, config.trainer_id, rank=config.consumer_index,
                                  dp_size=config.dp_size, ttl_s=config.lease_ttl_s)
@@ -187,13 +199,47 @@ class RolloutClient:
         if not isinstance(event, BatchReady):
             self.consumer.dead_letter(msg.id, msg.fields, f"expected BatchReady, got {event.type}", msg.deliveries)
             return None
+        if event.policy != self.config.policy:
+            self._refuse(msg.id, msg.fields, msg.deliveries, event,
+                         f"a batch of policy {event.policy!r} on the stream of {self.config.policy!r}", release=False)
+            return None
         try:
-            data: TrainData | None = self.payloads.fetch(event)
-            error = ""
-        except (PayloadMissing, DecodeError) as exc:
+            data = self.payloads.fetch(event)
+            if self.config.vocab_size is not None:
+                data.check_vocab(self.config.vocab_size)
+        except PayloadMissing as exc:
             log.warning("batch %s: payload unusable: %s", event.batch_id, exc)
-            data, error = None, str(exc)
-        return ReceivedBatch(msg.id, event, data, msg.deliveries, time.monotonic(), error)
+            return ReceivedBatch(msg.id, event, None, msg.deliveries, time.monotonic(), str(exc))
+        except (DecodeError, PayloadTooLarge) as exc:
+            self._refuse(msg.id, msg.fields, msg.deliveries, event, f"batch {event.batch_id} refused: {exc}",
+                         release=True)
+            return None
+        return ReceivedBatch(msg.id, event, data, msg.deliveries, time.monotonic())
+
+    def _refuse(self, entry_id: str, fields: Any, deliveries: int, event: BatchReady, reason: str, *,
+                release: bool) -> ReceivedBatch:
+        """Dead-letter a batch that failed a check (with ``reason``) and keep it for ``refused``; its payload
+        is released when it is this batch's own (a reference to another batch's bytes is left alone)."""
+        self.consumer.dead_letter(entry_id, fields, reason, deliveries)
+        if release:
+            try:
+                self.payloads.release(event, self.config.group)
+            except (DecodeError, PayloadMissing, PayloadTooLarge) as exc:
+                log.info("batch %s: payload not released: %s", event.batch_id, exc)
+        refused = ReceivedBatch(entry_id, event, None, deliveries, time.monotonic(), reason)
+        self._refused.append(refused)
+        return refused
+
+    def refuse(self, batch: ReceivedBatch, reason: str) -> None:
+        """Dead-letter a batch taken from the buffer that the trainer cannot use (a step it refused)."""
+        self._buffer.pop(batch.message_id, None)
+        self._refuse(batch.message_id, encode(batch.event), batch.deliveries, batch.event, reason, release=True)
+        self._refused.pop()
+
+    def refused(self) -> list[ReceivedBatch]:
+        """The batches dead-lettered by ``poll`` since the last call (their ``error`` says why)."""
+        out, self._refused = self._refused, []
+        return out
 
     def buffered(self) -> list[ReceivedBatch]:
         return list(self._buffer.values())

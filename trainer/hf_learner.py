@@ -34,6 +34,7 @@ from torch import Tensor
 
 from rollout_bus.events.train_data import TrainData
 from rollout_bus.trainer.config import LossSettings, OptimConfig
+from rollout_bus.trainer.finite import StepGuard
 from rollout_bus.trainer.grpo import LossConfig, grpo_loss
 from rollout_bus.trainer.hf_config import HFSettings, LoraSettings
 from rollout_bus.trainer.learner import Padded, to_padded
@@ -228,9 +229,12 @@ class HFLearner:
         return sums
 
     def train_step(self, data: TrainData, temperature: float | None = None) -> dict[str, float]:
-        """One GRPO update on ``data`` (``epochs`` x ``minibatches`` optimiser steps)."""
+        """One GRPO update on ``data`` (``epochs`` x ``minibatches`` optimiser steps); a step with a
+        non-finite loss, gradient or result is refused (``trainer.finite.NonFiniteStep``) and leaves the
+        trainable weights and the optimiser as they were."""
         started = time.perf_counter()
         temperature = self._temperature(temperature)
+        guard = StepGuard(self.trainable, self.optimizer)
         lay = layout(data)
         batch = lay.padded
         n = batch.input_ids.shape[0]
@@ -252,10 +256,12 @@ class HFLearner:
                 self.optimizer.zero_grad(set_to_none=True)
                 metrics = self.accumulate(lay, rows, temperature, None if old_logp is None else old_logp[rows])
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, o.grad_clip))
+                guard.check_update(metrics.get("loss", 0.0), grad_norm)
                 self.optimizer.step()
                 updates += 1
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
+        guard.check_weights()
         elapsed = time.perf_counter() - started
         tokens = float(batch.attention_mask.sum())
         micro_batches = sums.pop("micro_batches", 0.0)

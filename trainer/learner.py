@@ -20,6 +20,7 @@ from rollout_bus.events.train_data import TrainData
 from rollout_bus.lm.model import TinyLM, token_logprobs, token_logprobs_and_entropy
 from rollout_bus.lm.tokenizer import PAD_ID
 from rollout_bus.trainer.config import LossSettings, OptimConfig
+from rollout_bus.trainer.finite import StepGuard
 from rollout_bus.trainer.grpo import LossConfig, grpo_loss
 
 log = logging.getLogger(__name__)
@@ -77,9 +78,11 @@ class Learner:
 
         The metrics are means over the optimiser steps of ``grpo_loss``'s (loss terms, policy
         entropy on the response tokens, TIS and clip fractions), the last gradient norm, the
-        response tokens trained and the wall time.
+        response tokens trained and the wall time. A step with a non-finite loss, gradient or
+        result is refused (``trainer.finite.NonFiniteStep``) and leaves model and optimiser as they were.
         """
         started = time.perf_counter()
+        guard = StepGuard(self.model.parameters(), self.optimizer)
         self.model.train()
         batch = to_padded(data)
         n = batch.input_ids.shape[0]
@@ -105,10 +108,12 @@ class Learner:
                 out.loss.backward()
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                                  self.optim_config.grad_clip))
+                guard.check_update(float(out.loss.detach()), grad_norm)
                 self.optimizer.step()
                 updates += 1
                 for k, v in out.metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
+        guard.check_weights()
         metrics = {k: v / max(updates, 1) for k, v in sums.items()}
         metrics.update(grad_norm=grad_norm, optimizer_steps=float(updates),
                        response_tokens=float(batch.loss_mask.sum()),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES
 from rollout_bus.events.batches import BatchChannel
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.leased import LeaseFence
@@ -29,8 +30,9 @@ class PayloadReader(Protocol):
 class ChannelReader:
     """``PayloadReader`` over a ``BatchChannel``."""
 
-    def __init__(self, client: Redis, keys: Keys, channel: BatchChannel | None = None) -> None:
-        self.channel = channel or BatchChannel(client, keys)
+    def __init__(self, client: Redis, keys: Keys, channel: BatchChannel | None = None, *,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.channel = channel or BatchChannel(client, keys, max_bytes=max_bytes)
 
     def fetch(self, event: BatchReady) -> TrainData:
         return TrainData.from_batch(self.channel.fetch(event))

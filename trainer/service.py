@@ -18,6 +18,12 @@ batch ids, step, version; atomically), then ack the batch (``BatchConsumed``), t
 lease (``trainer.lease``): a trainer paused past it gets ``LeaseLost`` at the next one and stops. A restarted trainer loads the checkpoint,
 re-reads its pending batches first, skips-and-acks those the checkpoint lists and
 republishes its version if the crash came before the announcement.
+
+Nothing poisons training: a batch the client refuses on the way in (``RolloutClient.refused``:
+dead-lettered with its reason) and a step the learner refuses (``trainer.finite.NonFiniteStep``:
+a non-finite loss, gradient or result, the weights left as they were) are counted, the batch is
+dead-lettered, its rollout asked for again, and the trainer goes on; nothing non-finite is ever
+saved, checkpointed or published.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from rollout_bus.trainer import metrics as m
 from rollout_bus.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
 from rollout_bus.trainer.client import ClientConfig, ReceivedBatch, RolloutClient
 from rollout_bus.trainer.config import ConfigError, TrainerConfig
+from rollout_bus.trainer.finite import NonFiniteStep, nonfinite_parameters
 from rollout_bus.trainer.learner import Learner
 from rollout_bus.trainer.metric_loggers import NEEDED_METRICS, StepLogger
 from rollout_bus.trainer.requeue import stale_items
@@ -108,7 +115,8 @@ class Trainer:
             self._start_tiny(checkpoint)
         self.client = RolloutClient(self.redis, self.keys, ClientConfig(
             policy=cfg.policy, trainer_id=cfg.trainer_id, group=cfg.group, consumer_index=cfg.dp_rank,
-            dp_size=cfg.dp_size, lease_ttl_s=cfg.lease_ttl_s, rollout=cfg.rollout), self.producer)
+            dp_size=cfg.dp_size, lease_ttl_s=cfg.lease_ttl_s, rollout=cfg.rollout,
+            vocab_size=_vocab_size(self.model)), self.producer)
         self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
                                        self.producer, keep_versions=cfg.publish.keep_versions,
                                        lease=self.client.lease)
@@ -185,6 +193,8 @@ class Trainer:
         if self.weights.serving_version() >= version:
             return
         if self.weights.published_version() < version:
+            if nonfinite_parameters(self.model.parameters()):
+                raise ConfigError(f"the weights of version {version} hold NaN or infinite values: not published")
             self.weights.publish(self.model, version, **self._save_kwargs)
         self.weights.wait_serving(version, self.config.publish.serving_timeout_s)
 
@@ -286,6 +296,7 @@ class Trainer:
                                    f" after {self.config.get_timeout_s:.0f}s")
             self._resubmit_overdue()
             client.poll()
+            self._reask_refused()
 
     def _wait_buffered(self, rollout_id: int) -> None:
         client = self._cl()
@@ -296,6 +307,7 @@ class Trainer:
             self._ack_unneeded()
             self._resubmit_overdue()
             client.poll()
+            self._reask_refused()
 
     def _ack_unneeded(self) -> None:
         """Ack what needs no training: batches the checkpoint lists, and batches that are not ours."""
@@ -319,6 +331,18 @@ class Trainer:
             m.BATCHES.labels(*self._labels, "foreign").inc()
             client.ack(batch, staleness=max(0, state.version - batch.event.min_weight_version), accepted=False,
                        reason="foreign: no request of this trainer waits for it")
+
+    def _reask_refused(self) -> None:
+        """Ask again for the rollouts whose batches the client dead-lettered (bad payload or values)."""
+        state, client = self._st(), self._cl()
+        for batch in client.refused():
+            state.count("refused_batches")
+            m.BATCHES.labels(*self._labels, "refused").inc()
+            if self._ours(batch):
+                log.warning("batch %s of rollout %d was dead-lettered (%s): asking for it again", batch.batch_id,
+                            batch.rollout_id, batch.error)
+                state.dropped.append(batch.batch_id)
+                self._request(batch.rollout_id, state.attempts.get(batch.rollout_id, 1) + 1)
 
     # --- one batch -------------------------------------------------------------------------
     def _consume(self, batch: ReceivedBatch) -> bool:
@@ -358,15 +382,20 @@ class Trainer:
             client.ack(batch, staleness=batch_staleness, accepted=False,
                        reason=f"stale: {batch_staleness} versions behind, budget {budget}")
             return False
-        self._train(batch, fresh, split.staleness, batch_staleness)
-        return True
+        return self._train(batch, fresh, split.staleness, batch_staleness)
 
     def _train(self, batch: ReceivedBatch, data: TrainData, staleness_all: torch.Tensor,
-               batch_staleness: int) -> None:
+               batch_staleness: int) -> bool:
         state, client, learner = self._st(), self._cl(), self._ln()
         t0 = time.perf_counter()
         trained_staleness = state.version - data.weight_versions
-        metrics = learner.train_step(data)
+        try:
+            metrics = learner.train_step(data)
+            if nonfinite_parameters(self.model.parameters()):  # whatever the learner: never saved or published
+                raise NonFiniteStep("the model holds non-finite weights after the step")
+        except NonFiniteStep as exc:
+            self._refuse_step(batch, str(exc))
+            return False
         metrics.setdefault("entropy", math.nan)  # the HF learner does not compute the full-vocabulary entropy
         state.step += 1
         state.version += 1
@@ -412,6 +441,18 @@ class Trainer:
             hook(state, metrics)
         log.info("step %d: reward %.3f on %d samples (staleness max %d), loss %.4f, %.0f ms", state.step, reward,
                  len(data), int(trained_staleness.max()), metrics.get("loss", 0.0), (t1 - t0) * 1000)
+        return True
+
+    def _refuse_step(self, batch: ReceivedBatch, reason: str) -> None:
+        """A step the learner refused: the batch is dead-lettered with the reason and its rollout asked again."""
+        state, client = self._st(), self._cl()
+        log.error("batch %s: %s; dead-lettered, asking for rollout %d again", batch.batch_id, reason,
+                  batch.rollout_id)
+        state.count("refused_steps")
+        state.dropped.append(batch.batch_id)
+        m.BATCHES.labels(*self._labels, "refused").inc()
+        client.refuse(batch, f"batch {batch.batch_id}: {reason}")
+        self._request(batch.rollout_id, state.attempts.get(batch.rollout_id, 1) + 1)
 
     def _publish_version(self, *, wait: bool) -> None:
         state, cfg = self._st(), self.config
@@ -484,6 +525,12 @@ def _tokenizer_of(path: str) -> Any:
         raise ConfigError(f"model directory {path} has no usable tokenizer ({type(exc).__name__}: {exc}); "
                           "a model directory needs its tokenizer files (tokenizer.json, tokenizer_config.json) "
                           "beside config.json") from None
+
+
+def _vocab_size(model: Any) -> int:
+    """The number of token ids ``model`` embeds (a TinyLM, a HF model or a PeftModel)."""
+    return int(model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings")
+               else model.tok_emb.num_embeddings)
 
 
 def _trainable_state(model: Any) -> dict[str, torch.Tensor]:

@@ -5,8 +5,9 @@ attempt part keeps two live attempts of one job off each other's bytes) and retu
 reference, a small msgpack-able map that travels in the ``BatchReady`` event. ``get``
 returns a buffer that ``events.batch.decode`` reads without copying. References come off
 the wire: stores derive every key and path from the validated ref and their own
-configuration, never from a path or key written in the reference. ``write_vectored`` is
-the scatter-gather write loop the stores share (files, sockets).
+configuration, never from a path or key written in the reference, and check a reference's
+declared size against ``max_bytes`` (the channel's maximum batch size) before they allocate
+or map anything. ``write_vectored`` is the scatter-gather write loop the stores share (files, sockets).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from rollout_bus.events.batch import Buffer, EncodedBatch
-from rollout_bus.events.errors import DecodeError
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Buffer, EncodedBatch
+from rollout_bus.events.errors import DecodeError, PayloadTooLarge
 from rollout_bus.events.names import check_name
 
 Reference = dict[str, Any]
@@ -36,6 +37,15 @@ def make_ref(policy: str, batch_id: str, attempt: str | None = None) -> str:
 def check_ref(ref: Any) -> str:
     if not isinstance(ref, str) or not _REF_RE.fullmatch(ref):
         raise DecodeError(f"payload ref {ref!r} is not '<policy>:<batch_id>[:<attempt>]'")
+    return ref
+
+
+def check_owner(ref: Any, policy: str, batch_id: str) -> str:
+    """``ref`` when it is a payload of ``policy``'s batch ``batch_id``; ``DecodeError`` otherwise (an event
+    of one policy or batch pointing at another's bytes)."""
+    owner, _, rest = check_ref(ref).partition(":")
+    if owner != policy or rest.partition(":")[0] != batch_id:
+        raise DecodeError(f"payload ref {ref!r} does not belong to batch {batch_id!r} of policy {policy!r}")
     return ref
 
 
@@ -64,6 +74,8 @@ class PayloadStore(ABC):
     """One backend for payload bytes; subclasses live one per file in this package."""
 
     name: ClassVar[str]
+    max_bytes: int = DEFAULT_MAX_BYTES
+    """The largest payload ``get`` accepts (the owning channel's maximum batch size)."""
 
     @abstractmethod
     def put(self, ref: str, batch: EncodedBatch, ttl_s: int) -> Reference:
@@ -105,3 +117,9 @@ class PayloadStore(ABC):
             raise DecodeError(f"payload reference is for store {reference.get('store')!r}, "
                               f"this is the {self.name!r} store")
         return check_ref(reference.get("ref"))
+
+    def _check_size(self, ref: str, nbytes: int) -> None:
+        """``PayloadTooLarge`` when a payload's declared size exceeds ``max_bytes`` (before any allocation)."""
+        if nbytes > self.max_bytes:
+            raise PayloadTooLarge(f"payload {ref} declares {nbytes} bytes, more than the maximum batch size "
+                                  f"of {self.max_bytes} bytes")

@@ -74,6 +74,10 @@ class FileStore(PayloadStore):
             size = os.fstat(fd).st_size
             if size == 0:
                 raise DecodeError(f"payload file of {ref} is empty")
+            declared = reference.get("nbytes", size)
+            if type(declared) is not int or declared != size:
+                raise DecodeError(f"payload file of {ref} holds {size} bytes, its reference says {declared!r}")
+            self._check_size(ref, size)
             return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
         finally:
             os.close(fd)  # the mapping outlives the descriptor

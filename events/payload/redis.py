@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = (1 << 20) - 512  # with Redis' own headers, each chunk fills jemalloc's 1 MiB class
 DEFAULT_WINDOW = 2
-MAX_PAYLOAD_BYTES = 1 << 40
+MIN_CHUNK_BYTES = 4096
 
 
 def split_chunks(buffers: list[Buffer], chunk_bytes: int) -> list[list[memoryview]]:
@@ -62,8 +62,8 @@ class RedisStore(PayloadStore):
 
     def __init__(self, client: redis.Redis, keys: Keys, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  window: int = DEFAULT_WINDOW, raw: bool | None = None, address: Address | None = None) -> None:
-        if chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes}")
+        if chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
         self.client = client
         self.keys = keys
         self.chunk_bytes = chunk_bytes
@@ -107,13 +107,15 @@ class RedisStore(PayloadStore):
                 "chunk_bytes": self.chunk_bytes}
 
     def _layout(self, reference: Reference) -> tuple[str, int, int, list[str]]:
-        """ref, nbytes, chunk_bytes and chunk key names of a reference, checked for consistency."""
+        """ref, nbytes, chunk_bytes and chunk key names of a reference, checked for consistency and
+        against ``max_bytes`` (so neither the buffer nor the list of chunk names can be made huge)."""
         ref = self._ref(reference)
         nbytes, chunks, chunk_bytes = (reference.get(k) for k in ("nbytes", "chunks", "chunk_bytes"))
-        if not (isinstance(nbytes, int) and isinstance(chunks, int) and isinstance(chunk_bytes, int)
-                and 0 < nbytes <= MAX_PAYLOAD_BYTES and chunk_bytes > 0
+        if not (type(nbytes) is int and type(chunks) is int and type(chunk_bytes) is int
+                and nbytes > 0 and chunk_bytes >= MIN_CHUNK_BYTES
                 and (nbytes + chunk_bytes - 1) // chunk_bytes == chunks):
             raise DecodeError(f"redis payload reference {reference!r}: nbytes, chunks and chunk_bytes do not agree")
+        self._check_size(ref, nbytes)
         return ref, nbytes, chunk_bytes, [self.keys.payload_chunk(ref, i) for i in range(chunks)]
 
     def get(self, reference: Reference) -> PayloadBuffer:

@@ -167,8 +167,9 @@ class ShmStore(FileStore):
         if host != self.host:
             raise PayloadMissing(f"payload {ref} is in shared memory on host {host!r}, not on {self.host!r}: "
                                  f"use the redis or file store across hosts")
-        if not isinstance(nbytes, int) or nbytes <= 0:
+        if type(nbytes) is not int or nbytes <= 0:
             raise DecodeError(f"shm payload reference {reference!r} lacks nbytes")
+        self._check_size(ref, nbytes)
         path = self.path(ref)
         if self.reads == "shared":
             with self._lock:

@@ -60,6 +60,10 @@ class FakeRollouts:
     batches: list[str] = field(default_factory=list)
     drop_requests: set[int] = field(default_factory=set)
     """Rollout ids whose first request is ignored (a lost rollout: the trainer must ask again)."""
+    poison: dict[int, Callable[[TrainData], None]] = field(default_factory=dict)
+    """Rollout ids whose first batch is altered in place after it is built (bad values on the wire)."""
+    poisoned: list[str] = field(default_factory=list)
+    """Batch ids published with ``poison`` applied."""
 
     def __post_init__(self) -> None:
         self.producer = Producer("fake", "rollouts")
@@ -148,9 +152,14 @@ class FakeRollouts:
                    else max(0, serving - self.lag))
         data = fake_batch(event.n_groups, event.n_samples_per_group, rollout_id=event.rollout_id,
                           version=version, first_group=event.rollout_id * event.n_groups, rng=self._rng)
+        alter = self.poison.pop(event.rollout_id, None)
+        if alter is not None:
+            alter(data)
         request = RolloutRequest(policy=event.policy, rollout_id=event.rollout_id, n_groups=event.n_groups,
                                  n_samples_per_group=event.n_samples_per_group, request_id=event.request_id)
         self.batches.append(self.sink.publish(request, data))
+        if alter is not None:
+            self.poisoned.append(self.batches[-1])
 
 
 def fake_batch(n_groups: int, per_group: int, *, rollout_id: int, version: int, first_group: int = 0,
