@@ -42,9 +42,9 @@ from rollout_bus.events.payload.base import PayloadStore, Reference, check_owner
 from rollout_bus.events.payload.file import FileStore
 from rollout_bus.events.payload.shm import DEFAULT_ROOT as SHM_ROOT
 from rollout_bus.events.payload.shm import ShmStore
-from rollout_bus.events.publish import Publisher
-from rollout_bus.events.schema import BatchReady, Producer
-from rollout_bus.events.schema import encode as encode_event
+from rollout_bus.events.publish import SEQ_LUA, Publisher
+from rollout_bus.events.schema import FIELD, BatchReady, Producer, seq_slot
+from rollout_bus.events.schema import encode_bytes as encode_event_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +64,17 @@ return false
 """
 
 # KEYS[1] stream, KEYS[2] dedupe, KEYS[3] readers, KEYS[4] registered groups, KEYS[5] index,
-# KEYS[6] payload stores, KEYS[7..] this attempt's payload keys in this Redis (if any);
-# ARGV[1] dedupe ttl s, ARGV[2] readers ttl s, ARGV[3] maxlen (0 = none), ARGV[4] ref,
-# ARGV[5..] field, value pairs. Returns {entry id, 1} when appended. On a repeat: {existing id, 0}
+# KEYS[6] payload stores, KEYS[7] producer sequences, KEYS[8..] this attempt's payload keys in this Redis
+# (if any); ARGV[1] dedupe ttl s, ARGV[2] readers ttl s, ARGV[3] maxlen (0 = none), ARGV[4] ref,
+# ARGV[5] seq slot in ARGV[8] (0 = none), ARGV[6] producer, ARGV[7..] field, value pairs (the event's
+# sequence number is given out as it is appended, as by ``events.publish``). Returns {entry id, 1} when appended. On a repeat: {existing id, 0}
 # when the existing entry is another attempt's, with this attempt's ref unindexed and its keys in
 # Redis deleted (the caller deletes other bytes); {existing id, 2} when it is this attempt's own (the
 # same call run again: a retried WAIT, a reply lost on the way back) or can no longer be read
 # (trimmed): then nothing is deleted, since those bytes may be the ones the entry points to.
 # An error when this attempt's payload keys are not all there (written to a primary that failed over
 # before its replica had them): no event ever points at bytes that are gone.
-_PUBLISH = """
+_PUBLISH = SEQ_LUA + """
 local prev = redis.call('GET', KEYS[2])
 if prev then
   local entry = redis.call('XRANGE', KEYS[1], prev, prev)
@@ -83,18 +84,26 @@ if prev then
   end
   redis.call('ZREM', KEYS[5], ARGV[4])
   redis.call('HDEL', KEYS[6], ARGV[4])
-  if #KEYS > 6 then redis.call('DEL', unpack(KEYS, 7)) end
+  if #KEYS > 7 then redis.call('DEL', unpack(KEYS, 8)) end
   return {prev, 0}
 end
-if #KEYS > 6 and redis.call('EXISTS', unpack(KEYS, 7)) < #KEYS - 6 then
+if #KEYS > 7 and redis.call('EXISTS', unpack(KEYS, 8)) < #KEYS - 7 then
   return redis.error_reply('PAYLOADLOST the payload of ' .. ARGV[4] .. ' is not in this Redis (a failover lost it)')
+end
+local fields = {unpack(ARGV, 7)}
+local slot = tonumber(ARGV[5])
+local n
+if slot > 0 then
+  n = next_seq(KEYS[7], ARGV[6])
+  fields[2] = with_seq(fields[2], slot, n)
 end
 local id
 if tonumber(ARGV[3]) > 0 then
-  id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 5))
+  id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))
 else
-  id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
+  id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 end
+if n then redis.call('HSET', KEYS[7], ARGV[6], n) end
 redis.call('SET', KEYS[2], id, 'EX', tonumber(ARGV[1]))
 local groups = redis.call('SMEMBERS', KEYS[4])
 if #groups > 0 then
@@ -185,12 +194,12 @@ class BatchChannel:
                            n_samples=_n_samples(tensors) if n_samples is None else n_samples,
                            min_weight_version=min_weight_version, max_weight_version=max_weight_version,
                            bytes=encoded.nbytes, payload=reference)
-        args: list[Any] = [self.publisher.dedupe_ttl_s, self.payload_ttl_s + 3600, maxlen, ref]
-        for k, v in encode_event(event).items():
-            args += [k, v]
+        raw = encode_event_bytes(event)
+        args: list[Any] = [self.publisher.dedupe_ttl_s, self.payload_ttl_s + 3600, maxlen, ref, seq_slot(raw),
+                           str(event.producer), FIELD, raw]
         inline = store.redis_keys(reference)
         script_keys = [stream, dedupe, self.keys.payload_readers(ref), self.keys.registered_groups(stream),
-                       self.keys.payload_index, self.keys.payload_stores, *inline]
+                       self.keys.payload_index, self.keys.payload_stores, self.keys.producer_seqs, *inline]
         d = self.publisher.durability
         if d.replicas == 0:
             entry_id, outcome = self.guard.call(lambda c: self._publish(keys=script_keys, args=args, client=c))

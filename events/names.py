@@ -166,6 +166,13 @@ class Keys:
         return self._k("policies")
 
     @property
+    def producer_seqs(self) -> str:
+        """Hash ``role/instance`` -> the last sequence number given to that producer's events (the publish
+        scripts give out the next one as they append an event; never reset, so a restarted producer of the
+        same name goes on)."""
+        return self._k("seqs")
+
+    @property
     def controller_lease(self) -> str:
         return self._k("lease", "controller")
 

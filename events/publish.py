@@ -32,25 +32,56 @@ from rollout_bus.events.connection import (
 )
 from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys
-from rollout_bus.events.schema import FIELD, Event, Producer, encode_bytes
+from rollout_bus.events.schema import FIELD, Event, Producer, encode_bytes, seq_slot
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] stream, KEYS[2] dedupe key (absent for none); ARGV[1] dedupe ttl s, ARGV[2] maxlen (0 = none),
-# ARGV[3..] field, value pairs. Returns the id of the entry, the existing one on a repeat.
-_PUBLISH = """
-if KEYS[2] then
-  local prev = redis.call('GET', KEYS[2])
+SEQ_LUA = """
+local function next_seq(seqs, producer)
+  return tonumber(redis.call('HGET', seqs, producer) or 0) + 1
+end
+local function with_seq(raw, slot, n)
+  local v
+  if n < 128 then
+    v = string.char(n)
+  elseif n < 65536 then
+    v = string.char(205, math.floor(n / 256), n % 256)
+  else
+    v = string.char(206, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+                    math.floor(n / 256) % 256, n % 256)
+  end
+  return string.sub(raw, 1, slot - 1) .. v .. string.sub(raw, slot + 1)
+end
+"""
+"""Lua shared by the publish scripts: a producer's next sequence number, and an encoded event with it
+written at its ``seq`` slot (``schema.seq_slot``: one byte, 0, replaced by the number as msgpack). The
+script sets the counter only after its XADD succeeded: a publish that fails or is deduplicated takes
+no number."""
+
+# KEYS[1] stream, KEYS[2] producer sequences, KEYS[3] dedupe key (absent for none); ARGV[1] dedupe ttl s,
+# ARGV[2] maxlen (0 = none), ARGV[3] seq slot in ARGV[6] (0 = none), ARGV[4] producer, ARGV[5..] field,
+# value pairs. Returns the id of the entry, the existing one on a repeat.
+_PUBLISH = SEQ_LUA + """
+if KEYS[3] then
+  local prev = redis.call('GET', KEYS[3])
   if prev then return prev end
+end
+local fields = {unpack(ARGV, 5)}
+local slot = tonumber(ARGV[3])
+local n
+if slot > 0 then
+  n = next_seq(KEYS[2], ARGV[4])
+  fields[2] = with_seq(fields[2], slot, n)
 end
 local id
 if tonumber(ARGV[2]) > 0 then
-  id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+  id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(fields))
 else
-  id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+  id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 end
-if KEYS[2] then
-  redis.call('SET', KEYS[2], id, 'EX', tonumber(ARGV[1]))
+if n then redis.call('HSET', KEYS[2], ARGV[4], n) end
+if KEYS[3] then
+  redis.call('SET', KEYS[3], id, 'EX', tonumber(ARGV[1]))
 end
 return id
 """
@@ -101,6 +132,7 @@ class Publisher:
         self._script = client.register_script(_PUBLISH)
         self._lane = Lane(client)
         self._dedupe_prefix: dict[str, str] = {}
+        self._producer_names: dict[Producer, str] = {}
         self.durability = durability(client)
         self._leased: Any = None  # the publish script bound to a lease, registered on first use
         self.durability_status = status_hook(client, keys.durability_status, str(producer))
@@ -115,22 +147,24 @@ class Publisher:
         raw = encode_bytes(event)
         dedupe_key = self._dedupe_key(stream, idempotency_key or event.event_id)
         ttl_s = self.dedupe_ttl_s if idempotency_key else self.retry_ttl_s
+        slot, producer, seqs = seq_slot(raw), self._producer_name(event.producer), self.keys.producer_seqs
         if lease is not None:
-            return self._publish_leased(lease, stream, dedupe_key, (ttl_s, maxlen, FIELD, raw), durable)
+            return self._publish_leased(lease, (stream, seqs, dedupe_key),
+                                        (ttl_s, maxlen, slot, producer, FIELD, raw), durable)
         if not self._lane.direct or (durable and self.durability.replicas):
-            return self._run([((stream, dedupe_key), (ttl_s, maxlen, FIELD, raw))], durable)[0]
+            return self._run([((stream, seqs, dedupe_key), (ttl_s, maxlen, slot, producer, FIELD, raw))], durable)[0]
         # the hot path: one packed EVALSHA on the kept connection, no per-call lists or closures
         lane = self._lane
         script = self._script
-        packed = pack_command(("EVALSHA", script.sha, 2, stream, dedupe_key, ttl_s, maxlen,  # type: ignore[arg-type]
-                               FIELD, raw))  # (hiredis' stub reads the argument as a 1-tuple)
+        packed = pack_command(("EVALSHA", script.sha, 3, stream, seqs, dedupe_key,  # type: ignore[arg-type]
+                               ttl_s, maxlen, slot, producer, FIELD, raw))  # (hiredis' stub: a 1-tuple)
 
         def send(c: redis.Redis) -> Any:
             reply = lane.execute(packed)[0]
             if isinstance(reply, NoScriptError):  # a restarted or flushed server: empty cache
                 script.sha = c.script_load(script.script)
-                reply = lane.execute(pack_command(("EVALSHA", script.sha, 2, stream, dedupe_key,  # type: ignore[arg-type]
-                                                   ttl_s, maxlen, FIELD, raw)))[0]
+                reply = lane.execute(pack_command(("EVALSHA", script.sha, 3, stream, seqs,  # type: ignore[arg-type]
+                                                   dedupe_key, ttl_s, maxlen, slot, producer, FIELD, raw)))[0]
             if isinstance(reply, redis.ResponseError):
                 raise reply
             return reply
@@ -151,29 +185,33 @@ class Publisher:
         if idempotency_keys is not None and len(idempotency_keys) != len(events):
             raise ValueError(f"{len(idempotency_keys)} idempotency keys for {len(events)} events")
         calls: list[_Call] = []
+        seqs = self.keys.producer_seqs
         for i, event in enumerate(events):
             key = idempotency_keys[i] if idempotency_keys is not None else None
-            calls.append(((stream, self._dedupe_key(stream, key or event.event_id)),
-                          (self.dedupe_ttl_s if key else self.retry_ttl_s, maxlen, FIELD, encode_bytes(event))))
+            raw = encode_bytes(event)
+            calls.append(((stream, seqs, self._dedupe_key(stream, key or event.event_id)),
+                          (self.dedupe_ttl_s if key else self.retry_ttl_s, maxlen, seq_slot(raw),
+                           self._producer_name(event.producer), FIELD, raw)))
         return self._run(calls, durable) if calls else []
 
     def publish_fields(self, stream: str, fields: dict[bytes, bytes], *, idempotency_key: str | None = None,
                        maxlen: int = 0, durable: bool = False) -> str:
         # no empty key name when there is no dedupe key: every key a script names must hash to one slot
-        script_keys = [stream, self._dedupe_key(stream, idempotency_key)] if idempotency_key else [stream]
-        args: list[Any] = [self.dedupe_ttl_s, maxlen]
+        seqs = self.keys.producer_seqs
+        script_keys = [stream, seqs, self._dedupe_key(stream, idempotency_key)] if idempotency_key else [stream, seqs]
+        args: list[Any] = [self.dedupe_ttl_s, maxlen, 0, ""]  # raw fields: no event, no sequence number
         for k, v in fields.items():
             args += [k, v]
         return self._run([(script_keys, args)], durable)[0]
 
-    def _publish_leased(self, lease: LeaseFence, stream: str, dedupe_key: str, args: tuple[Any, ...],
+    def _publish_leased(self, lease: LeaseFence, keys: tuple[str, ...], args: tuple[Any, ...],
                         durable: bool) -> str:
         """One publish bound to ``lease`` (``events.leased``): the lease check, the dedupe and the XADD in one
         script; refused with ``LeaseLost`` once the lease lapsed, whoever holds it now."""
         if self._leased is None:
             self._leased = self.client.register_script(leased(_PUBLISH))
         script, d = self._leased, self.durability
-        script_keys, script_args = lease.keys(stream, dedupe_key), lease.args(*args)
+        script_keys, script_args = lease.keys(*keys), lease.args(*args)
         if not (durable and d.replicas):
             return as_str(guarded(self.guard, lambda c: script(keys=script_keys, args=script_args, client=c)))
 
@@ -185,7 +223,7 @@ class Publisher:
                 return pipe.execute()  # type: ignore[no-any-return]
             reply, acks = guarded(self.guard, both)
             return reply, int(acks)
-        return as_str(confirm_replicated(d, f"publish to {stream}", attempt))
+        return as_str(confirm_replicated(d, f"publish to {keys[0]}", attempt, self.durability_status))
 
     def entry_for(self, stream: str, idempotency_key: str) -> str | None:
         """The entry an earlier publish under ``idempotency_key`` made (while its dedupe key lives), else None."""
@@ -195,6 +233,12 @@ class Publisher:
     def close(self) -> None:
         """Give the publisher's connection back to the client's pool (a later publish takes one again)."""
         self._lane.close()
+
+    def _producer_name(self, producer: Producer) -> str:
+        name = self._producer_names.get(producer)
+        if name is None:
+            name = self._producer_names[producer] = str(producer)
+        return name
 
     def _dedupe_key(self, stream: str, key: str) -> str:
         prefix = self._dedupe_prefix.get(stream)

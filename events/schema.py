@@ -6,10 +6,13 @@ msgpack map of the common header (``event_id``, ``type``, ``schema_version``,
 schema version and every field's presence and type, and raises ``DecodeError``
 carrying the raw entry for anything else; no other exception escapes it.
 
-``seq`` (schema version 2) numbers the events of one producer, in the order it made them,
-from 1 within each process: entry ids order events of different streams only to the
-millisecond, and a producer's sequence numbers order its own events within one. Events of
-schema version 1 (no ``seq``) still decode, with ``seq`` 0 (unknown). Fields that name
+``seq`` (schema version 2) numbers the events of one producer (its ``role/instance`` name), from 1,
+in the order they were published: the publish script gives it out when it appends the entry
+(``seq_slot``; ``events.publish``), so a deduplicated publish takes no number, a producer restarted
+under the same name goes on from its last one, and a gap or a repeat in a log is a lost or doubled
+event. Entry ids order events of different streams only to the millisecond, and a producer's
+sequence numbers order its own events within one. An event not published yet has ``seq`` 0, and
+so do events of schema version 1 (no ``seq``), which still decode. Fields that name
 things other roles turn into keys or paths (policy, batch, request, trainer, engine, group)
 must be safe names (``SAFE_ID``) or empty; anything else is a ``DecodeError``.
 """
@@ -17,7 +20,6 @@ must be safe names (``SAFE_ID``) or empty; anything else is a ``DecodeError``.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import re
 import threading
@@ -66,31 +68,19 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-_SEQUENCES: dict[Producer, itertools.count[int]] = {}
-_SEQ_LOCK = threading.Lock()
-
-
-def next_seq(producer: Producer) -> int:
-    """The next sequence number of ``producer`` in this process (1, 2, ...)."""
-    counter = _SEQUENCES.get(producer)
-    if counter is None:
-        with _SEQ_LOCK:
-            counter = _SEQUENCES.setdefault(producer, itertools.count(1))
-    return next(counter)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Event:
     """Common header; subclasses add their own fields.
 
-    ``seq`` is given out when the event is made (-1, the default, asks for the producer's next
-    number); a decoded event keeps the one it was published with (0 for schema version 1).
+    ``seq`` is 0 until the event is published, when the publish script gives it the producer's next
+    number in the stored entry; a decoded event has the one it was published with (0 for schema
+    version 1).
     """
 
     producer: Producer
     event_id: str = field(default_factory=_new_id)
     ts_ms: int = field(default_factory=_now_ms)
-    seq: int = -1
+    seq: int = 0
     schema_version: ClassVar[int] = SCHEMA_VERSION
     since_version: ClassVar[int] = 1
     """The first schema version that has this event type."""
@@ -101,7 +91,7 @@ class Event:
 
     def __post_init__(self) -> None:
         if self.seq < 0:
-            object.__setattr__(self, "seq", next_seq(self.producer))
+            raise ValueError(f"seq must be >= 0, got {self.seq}")
 
     @property
     def type(self) -> str:
@@ -112,7 +102,8 @@ class Event:
         names = _FIELD_NAMES.get(cls)
         if names is None:
             names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(self))
-        out: dict[str, Any] = {"type": cls.__name__, "schema_version": self.schema_version}
+        # ``seq`` first: the publish script finds its value at a fixed place (``seq_slot``)
+        out: dict[str, Any] = {"seq": 0, "type": cls.__name__, "schema_version": self.schema_version}
         values = self.__dict__  # a plain dataclass: every field is in it
         for name in names:
             out[name] = values[name]
@@ -383,6 +374,20 @@ def encode_bytes(event: Event) -> bytes:
         raise InvalidRequest(f"{event.type} of {len(raw)} bytes exceeds the {MAX_EVENT_BYTES}-byte event limit; "
                              "put large data in the payload store and send a reference")
     return raw
+
+
+_SEQ_KEY = b"\xa3seq"  # msgpack's "seq"
+
+
+def seq_slot(raw: bytes) -> int:
+    """Where the publish script writes the producer's next number into ``raw`` (an ``encode_bytes``
+    result): the 1-based position of its ``seq`` value while that is 0 (one byte, replaced by the
+    number's msgpack encoding), or 0 when the event already has a number (an imported one)."""
+    head = raw[0] if raw else 0
+    width = 1 if 0x80 <= head <= 0x8F else 3 if head == 0xDE else 5 if head == 0xDF else 0
+    if width and raw[width:width + 4] == _SEQ_KEY and raw[width + 4] == 0:
+        return width + 5
+    return 0
 
 
 def decode(fields: Any) -> Event:

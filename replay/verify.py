@@ -11,6 +11,14 @@
   ``EngineServing`` it precedes may come after it, and it still counts.
 - Every completed request has exactly one batch, and it is the batch it names.
 - No version went backwards: per policy published and serving, per engine and policy applied.
+- No event lost or doubled: each producer's sequence numbers (``seq``, given out by the bus as it
+  appends each event, from 1, and carried on across restarts of the same producer name) have no gap
+  (``seq_gap``: events lost) and no repeat (``seq_repeat``: an event appended twice). Gaps can be
+  seen only in a log that holds the producers' whole history: one exported whole (every range from
+  ``-`` to ``+``) and never trimmed (no ``StreamsTrimmed`` that removed entries). A log of a time
+  range is checked from each producer's first number in it; a trimmed one for repeats only. A log of
+  chosen streams (``export --stream``) leaves out what producers wrote elsewhere: give it
+  ``VerifyConfig(gaps=False)``.
 
 Each ``Violation`` names its kind, the ids involved and the entries (``stream@id``) that
 show it.
@@ -18,6 +26,7 @@ show it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
@@ -33,7 +42,9 @@ from rollout_bus.replay.logfile import LogEvent, LogReader, Payload, decode_entr
 log = logging.getLogger(__name__)
 
 Kind = Literal["version_not_published", "version_not_received", "version_backwards", "missing_batch",
-               "duplicate_batch", "batch_mismatch", "duplicate_completion"]
+               "duplicate_batch", "batch_mismatch", "duplicate_completion", "seq_gap", "seq_repeat"]
+GAP_EXAMPLES = 20
+"""Missing numbers named per producer (the count is always whole)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,10 @@ class Violation:
 @dataclass
 class VerifyConfig:
     base_version: int | None = 0
+    gaps: bool = True
+    """Report missing sequence numbers (off for a log of chosen streams)."""
+    from_start: bool = True
+    """The log starts at the beginning of every stream: each producer's numbers start at 1."""
 
 
 def _ref(item: LogEvent) -> str:
@@ -71,6 +86,9 @@ class _Check:
     sample_versions: dict[tuple[str, str], set[int]] = field(default_factory=dict)
     unreceived: list[tuple[LogEvent, str, str, int]] = field(default_factory=list)
     """(item, engine, policy, version) served but not applied yet: settled when its millisecond is over."""
+    numbers: dict[str, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
+    """producer -> sequence number -> the entry that has it."""
+    trimmed: bool = False
 
     def add(self, kind: Kind, message: str, ids: dict[str, Any], *entries: str) -> None:
         self.violations.append(Violation(kind, message, ids, list(entries)))
@@ -106,10 +124,43 @@ class _Check:
                          {"engine_id": engine_id, "policy": policy, "version": version}, _ref(item))
         self.unreceived = keep
 
+    def sequence(self, item: LogEvent) -> None:
+        ev = item.event
+        if ev.seq <= 0:  # not numbered: schema version 1
+            return
+        producer = str(ev.producer)
+        first = self.numbers[producer].setdefault(ev.seq, _ref(item))
+        if first != _ref(item):
+            self.add("seq_repeat", f"producer {producer} has event number {ev.seq} twice ({ev.type}): "
+                     "an event appended twice, or a producer's numbers started over (Redis lost them)",
+                     {"producer": producer, "seq": ev.seq, "type": ev.type}, first, _ref(item))
+
+    def gaps(self) -> None:
+        if not self.config.gaps:
+            return
+        if self.trimmed:
+            log.warning("the log's streams were trimmed (StreamsTrimmed): lost events cannot be told from "
+                        "trimmed ones; only repeated sequence numbers are checked")
+            return
+        for producer, numbers in sorted(self.numbers.items()):
+            top = max(numbers)
+            low = 1 if self.config.from_start else min(numbers)
+            missing = [n for n in range(low, top + 1) if n not in numbers]
+            if not missing:
+                continue
+            around = [numbers[n] for m in missing for n in (m - 1, m + 1) if n in numbers][:6]  # each gap's edges
+            shown = ", ".join(map(str, missing[:GAP_EXAMPLES])) + (", ..." if len(missing) > GAP_EXAMPLES else "")
+            self.add("seq_gap", f"producer {producer} lost {len(missing)} event(s): numbers {shown} of 1..{top} "
+                     "are missing", {"producer": producer, "missing": missing[:GAP_EXAMPLES],
+                                     "lost": len(missing), "last": top}, *around)
+
     def event(self, item: LogEvent) -> None:
         ev = item.event
         if self.unreceived:
             self.settle(item.ms)
+        self.sequence(item)
+        if isinstance(ev, s.StreamsTrimmed) and any(ev.entries.values()):
+            self.trimmed = True
         if isinstance(ev, s.WeightsPublished):
             self.monotonic(("published", ev.policy), ev.version, item, f"published version of {ev.policy!r}",
                            {"policy": ev.policy})
@@ -145,6 +196,7 @@ class _Check:
 
     def finish(self) -> list[Violation]:
         self.settle()
+        self.gaps()
         for request_id, batches in self.batches.items():
             if len(batches) > 1:
                 ids = sorted({b for b, _ in batches})
@@ -188,9 +240,14 @@ def sample_versions(data: bytes | memoryview) -> set[int]:
 
 def verify_log(path: str | Path, config: VerifyConfig | None = None, *, samples: bool = True,
                allow_truncated: bool = False) -> list[Violation]:
-    """``verify`` over a log file; with ``samples``, each exported batch's per-sample versions count too."""
-    check = _Check(config or VerifyConfig())
+    """``verify`` over a log file; with ``samples``, each exported batch's per-sample versions count too.
+    A log of a time range (any range not ``-`` to ``+``) is checked for gaps from each producer's first
+    number in it."""
     with LogReader(path, allow_truncated=allow_truncated) as reader:
+        config = config or VerifyConfig()
+        if any(r.start != "-" or r.end != "+" for r in reader.header.ranges):
+            config = dataclasses.replace(config, from_start=False)
+        check = _Check(config)
         for record in reader:
             if isinstance(record, Payload):
                 if samples:

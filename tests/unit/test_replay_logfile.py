@@ -270,10 +270,9 @@ def test_a_pipeline_resent_after_a_lost_reply_adds_each_entry_once(
 def test_events_of_one_millisecond_go_in_their_producers_order_live_and_in_the_exported_file(
         fake_client: redis.Redis, keys: Keys, tmp_path: Path) -> None:
     controller, trainer = Producer("controller", "c-1"), Producer("trainer", "t-1")
-    applied = WeightsApplied(producer=controller, policy=POLICY, version=1, engine_id="e0", duration_ms=1.0)
-    joined = TrainerJoined(producer=trainer, policy=POLICY, trainer_id="t", group="t")
-    serving = EngineServing(producer=controller, engine_id="e0", url="u", versions={POLICY: 1})
-    assert applied.seq < serving.seq
+    applied = WeightsApplied(producer=controller, policy=POLICY, version=1, engine_id="e0", duration_ms=1.0, seq=4)
+    joined = TrainerJoined(producer=trainer, policy=POLICY, trainer_id="t", group="t", seq=1)
+    serving = EngineServing(producer=controller, engine_id="e0", url="u", versions={POLICY: 1}, seq=5)
     # one millisecond: the ids' sequence parts (one counter per stream) put them the other way round
     fake_client.xadd(keys.engine_stream, encode(serving), id="1000-0")  # type: ignore[arg-type]
     fake_client.xadd(keys.trainer_stream, encode(joined), id="1000-1")  # type: ignore[arg-type]

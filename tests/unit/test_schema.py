@@ -27,7 +27,9 @@ from rollout_bus.events.schema import (
     decode,
     decode_as,
     encode,
+    encode_bytes,
     event_types,
+    seq_slot,
 )
 
 PRODUCER = Producer("tester", "host-0")
@@ -180,10 +182,15 @@ def test_an_event_of_schema_version_1_still_decodes_with_an_unknown_sequence_num
     assert decode(encode(event)) == event  # and goes out again as version 2, seq 0
 
 
-def test_each_producer_numbers_its_events_in_the_order_they_are_made() -> None:
-    mine, other = Producer("tester", "seq-a"), Producer("tester", "seq-b")
-    a1 = EngineOffloaded(producer=mine, engine_id="e", tags=[])
-    b1 = EngineOffloaded(producer=other, engine_id="e", tags=[])
-    a2 = EngineOffloaded(producer=mine, engine_id="e", tags=[])
-    assert a2.seq == a1.seq + 1 and b1.seq >= 1
-    assert decode(encode(a2)).seq == a2.seq  # a decoded event keeps its number
+def test_an_event_has_no_sequence_number_until_published_and_its_slot_is_found_in_any_map_size() -> None:
+    small = EngineOffloaded(producer=PRODUCER, engine_id="e", tags=[])
+    assert small.seq == 0 and decode(encode(small)).seq == 0
+    big = msgpack.packb({"seq": 0, **{f"k{i}": i for i in range(20)}})  # a map of 16 or more: 3-byte header
+    for raw in (encode_bytes(small), encode_bytes(dataclasses.replace(make(GroupExpired), seq=0)), big):
+        slot = seq_slot(raw)
+        assert slot > 0 and raw[slot - 1] == 0
+        stamped = raw[:slot - 1] + b"\xcd\x01\x2c" + raw[slot:]  # what the publish script writes: 300
+        assert msgpack.unpackb(stamped)["seq"] == 300
+        assert seq_slot(stamped) == 0  # a numbered event keeps its number
+    with pytest.raises(ValueError, match="seq must be >= 0"):
+        EngineOffloaded(producer=PRODUCER, engine_id="e", tags=[], seq=-1)

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import redis
+
 from rollout_bus.events import schema as s
-from rollout_bus.replay.verify import VerifyConfig, Violation, verify
-from tests.unit.test_timeline import CTRL, EXEC, POLICY, TRAIN, Step, batch_ready, scenario, synthetic
+from rollout_bus.events.names import Keys, stream_key
+from rollout_bus.replay.exporter import export_log, read_live
+from rollout_bus.replay.logfile import LogEvent, LogReader
+from rollout_bus.replay.verify import VerifyConfig, Violation, verify, verify_log
+from tests.unit.test_timeline import (
+    CTRL,
+    EXEC,
+    POLICY,
+    TRAIN,
+    Step,
+    batch_ready,
+    publish_scenario,
+    scenario,
+    synthetic,
+)
 
 
 def kinds(found: list[Violation]) -> list[str]:
@@ -101,3 +119,70 @@ def test_several_planted_violations_are_all_reported() -> None:
               ("batches/p0", batch_ready("batch-0-dup", "req-0", 0, 0, 0)),
               ("weights", s.WeightsPublished(producer=TRAIN, policy=POLICY, version=1, uri="u", sha256="x"))]
     assert kinds(verify(synthetic(steps))) == ["duplicate_batch", "version_backwards", "version_not_published"]
+
+
+def numbered(steps: list[Step]) -> list[Step]:
+    """The steps with the numbers the bus gives out as it appends them: per producer, from 1."""
+    counters: dict[s.Producer, int] = {}
+    out: list[Step] = []
+    for stream, ev in steps:
+        counters[ev.producer] = counters.get(ev.producer, 0) + 1
+        out.append((stream, dataclasses.replace(ev, seq=counters[ev.producer])))
+    return out
+
+
+def test_a_log_missing_a_rollout_started_and_a_batch_consumed_names_both_producers_gaps() -> None:
+    steps = numbered(scenario())
+    assert verify(synthetic(steps)) == []
+    started = next(i for i, (_, ev) in enumerate(steps) if isinstance(ev, s.RolloutStarted))
+    consumed_at = next(i for i, (_, ev) in enumerate(steps) if isinstance(ev, s.BatchConsumed))
+    lost = {str(steps[started][1].producer): steps[started][1].seq, str(steps[consumed_at][1].producer):
+            steps[consumed_at][1].seq}
+    log = synthetic(steps)
+    del log[consumed_at], log[started]
+    found = verify(log)
+    assert kinds(found) == ["seq_gap", "seq_gap"]
+    assert {v.ids["producer"]: v.ids["missing"] for v in found} == {p: [n] for p, n in lost.items()}
+    assert all(v.ids["lost"] == 1 and v.entries for v in found)  # the entries beside each gap
+
+
+def test_a_log_with_a_train_step_done_twice_names_the_repeat() -> None:
+    log = synthetic(numbered(scenario()))
+    at = next(i for i, item in enumerate(log) if isinstance(item.event, s.TrainStepDone))
+    log.insert(at + 1, s_log_event(log[at], ms=log[at].ms))  # the same event appended again
+    (v,) = verify(log)
+    assert v.kind == "seq_repeat" and v.ids["type"] == "TrainStepDone"
+    assert v.entries == [f"trainers@{log[at].id}", f"trainers@{log[at + 1].id}"]
+
+
+def s_log_event(item: LogEvent, ms: int) -> LogEvent:
+    return LogEvent(item.stream, f"{ms}-1", item.event)
+
+
+def test_gaps_are_counted_from_the_first_number_of_a_time_range_and_not_at_all_in_a_trimmed_log() -> None:
+    log = synthetic(numbered(scenario()))
+    tail = log[len(log) // 2:]
+    gaps = [v for v in verify(tail) if v.kind == "seq_gap"]
+    assert len(gaps) == len({str(i.event.producer) for i in tail})
+    assert not [v for v in verify(tail, VerifyConfig(from_start=False)) if v.kind.startswith("seq")]
+    trimmed = [*log[:3], *log[5:]]
+    assert kinds(verify(trimmed)) == ["seq_gap"]
+    housekeeping = LogEvent("housekeeping", "99999-0",
+                            s.StreamsTrimmed(producer=s.Producer("controller", "janitor"), entries={"engines": 2}, seq=1))
+    assert verify([*trimmed, housekeeping]) == []
+
+
+def test_events_published_through_the_bus_and_exported_verify_with_no_gaps_and_no_repeats(
+        fake_client: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    publish_scenario(fake_client, keys, scenario())
+    path = tmp_path / "run.rblog"
+    export_log(fake_client, keys, path)
+    assert verify_log(path) == []
+    with LogReader(path) as reader:
+        numbers = [e.event.seq for e in reader.events()]
+    assert all(n > 0 for n in numbers)
+    started = next(e for e in read_live(fake_client, keys) if isinstance(s.decode(e.fields), s.RolloutStarted))
+    fake_client.xdel(stream_key(keys, started.stream), started.id)
+    export_log(fake_client, keys, path)
+    (v,) = verify_log(path)
+    assert v.kind == "seq_gap" and v.ids["producer"] == str(EXEC)
