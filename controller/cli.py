@@ -14,6 +14,7 @@ import os
 import sys
 
 from rollout_bus.controller.config import BACKENDS, PAUSE_MODES, ConfigError, ControllerConfig
+from rollout_bus.events.names import name_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout-bus controller", description="rollout-bus inference controller",
                                 epilog="Engines on a shared network: set $ROLLOUT_BUS_ENGINE_API_KEY (SGLang's "
                                        "--api-key) for the controller and the executors.")
-    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", d.namespace))
+    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", d.namespace), type=name_arg("namespace"))
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
     p.add_argument("--instance", default=d.instance, help="stable instance name (consumer names, producer)")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend)
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout-s", type=float, default=d.health_timeout_s)
     p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold)
     p.add_argument("--weights-root", default=d.weights_root)
-    p.add_argument("--base-policy", default=d.base_policy)
+    p.add_argument("--base-policy", default=d.base_policy, type=name_arg("base policy"))
     p.add_argument("--pause-mode", choices=PAUSE_MODES, default=d.pause_mode)
     p.add_argument("--update-timeout-s", type=float, default=d.update_timeout_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)

@@ -7,22 +7,77 @@ can be used together in one Lua script or transaction.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "default"
 REGISTRY_GENERATION = "#gen"
 """A field of each registry hash counting its writes (never a record: no checked name starts with ``#``);
 a reader that holds a snapshot re-reads the records only when it changed."""
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+NAME_MAX = 64
+NAME_RULE = "1-64 letters, digits, '_' or '-', not starting with '-'"
+"""The one grammar of every name that reaches a key, a path or an engine: namespaces, policies,
+adapters (``<policy>@v<version>``), trainer, engine and group ids, request and batch ids.
+
+Each place such a name reaches takes this grammar: peft's adapter names (a '.' breaks its module
+dict: ``policy.v2@v1`` is a ``KeyError`` inside the engine), SGLang's adapter names (``base:adapter``
+splits on ':'), file names (no separator, no leading '.'), Redis keys (':' separates their parts,
+braces are the hash tag), rq job ids, and command lines (a leading '-' reads as an option)."""
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,63}")
+HOST_NAME_MAX = 255
+_HOST_CHARS = _NAME_CHARS | {"."}
+_HOST_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
+_WHY = {".": ": a '.' breaks peft's adapter names", ":": ": ':' separates Redis key parts and SGLang's adapter names",
+        "/": ": '/' is a path separator", "\\": ": '\\' is a path separator", "{": ": braces are Redis hash tags",
+        "}": ": braces are Redis hash tags", " ": ": no spaces"}
+
+
+def name_problem(kind: str, value: object, *, host: bool = False) -> str | None:
+    """Why ``value`` is not a valid ``kind`` name (None: it is), naming the first wrong character and its
+    position (1-based). ``host`` takes a host-derived name (a producer's instance): '.' allowed, up to 255."""
+    if isinstance(value, str) and (_HOST_RE if host else NAME_PATTERN).fullmatch(value):
+        return None
+    fault = name_fault(value, host=host)
+    return f"{kind} {fault}" if not isinstance(value, str) or not value else f"{kind} {value[:80]!r}: {fault}"
+
+
+def name_fault(value: object, *, host: bool = False) -> str:
+    """What is wrong with ``value`` as a name (``name_problem`` without the kind and the value)."""
+    chars, longest = (_HOST_CHARS, HOST_NAME_MAX) if host else (_NAME_CHARS, NAME_MAX)
+    rule = f"1-{longest} letters, digits, '_', '.' or '-', not starting with '-' or '.'" if host else NAME_RULE
+    if not isinstance(value, str):
+        return f"must be a string ({rule}), not {type(value).__name__}"
+    if not value:
+        return f"must not be empty ({rule})"
+    for position, ch in enumerate(value, 1):
+        if ch not in chars or (position == 1 and ch in "-."):
+            why = ": a name must not start with it" if position == 1 and ch in chars else _WHY.get(ch, "")
+            return f"character {ch!r} at position {position} is not allowed{why} ({rule})"
+    return f"has {len(value)} characters, more than {longest} ({rule})"
 
 
 def check_name(kind: str, value: str) -> str:
-    """Validate a namespace, policy or group name used inside keys."""
-    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):  # fullmatch: `$` would let "x\n" in
-        raise ValueError(f"{kind} {value!r} must be 1-64 characters of letters, digits, '_', '.' or '-'")
+    """``value`` when it is a valid ``kind`` name, else ``ValueError`` naming the wrong character."""
+    problem = name_problem(kind, value)
+    if problem is not None:
+        raise ValueError(problem)
     return value
+
+
+def name_arg(kind: str) -> Callable[[str], str]:
+    """An argparse ``type`` for a ``kind`` name: a bad one is a usage error that names the wrong character."""
+    def parse(value: str) -> str:
+        problem = name_problem(kind, value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse.__name__ = kind  # argparse names the type in its messages
+    return parse
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import threading
 import time
 import types
@@ -33,6 +32,7 @@ from typing import Any, ClassVar, TypeVar, Union
 import msgpack
 
 from rollout_bus.events.errors import DecodeError, InvalidRequest
+from rollout_bus.events.names import NAME_PATTERN, name_fault, name_problem
 
 SCHEMA_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
@@ -44,8 +44,8 @@ E = TypeVar("E", bound="Event")
 _REGISTRY: dict[str, type[Event]] = {}
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
-SAFE_ID = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,63}")
-"""A name that is safe as a key part or a single path component: no separator, no leading dot."""
+SAFE_ID = NAME_PATTERN
+"""The one name grammar (``events.names``): safe as a key part, a path component, an adapter name."""
 ID_FIELDS = frozenset({"policy", "batch_id", "request_id", "trainer_id", "engine_id", "group"})
 """Event fields that other roles may turn into keys or file names: ``SAFE_ID`` or empty, checked at decode."""
 
@@ -463,8 +463,7 @@ def _decode_fields(cls: type[Event], data: dict[str, Any], fields: Any, type_nam
         elif not check(value):
             raise DecodeError(f"{type_name}: field {name!r} has {type(value).__name__}, expected {hint}", fields)
         elif name in ID_FIELDS and value and not SAFE_ID.fullmatch(value):
-            raise DecodeError(f"{type_name}: field {name!r} is {value[:80]!r}, not a safe name (1-64 letters, "
-                              f"digits, '_', '.' or '-', not starting with '.')", fields)
+            raise DecodeError(f"{type_name}: field {name!r} is {value[:80]!r}: {name_fault(value)}", fields)
         elif name == "seq" and value < 0:
             raise DecodeError(f"{type_name}: field 'seq' is {value}, must be >= 0", fields)
         kwargs[name] = value
@@ -599,6 +598,9 @@ def _producer(value: Any, type_name: str, fields: Any) -> Producer:
     key = (role, instance)
     producer = _PRODUCERS.get(key)
     if producer is None:
+        problem = name_problem("producer role", role) or name_problem("producer instance", instance, host=True)
+        if problem is not None:
+            raise DecodeError(f"{type_name}: {problem}", fields)
         if len(_PRODUCERS) >= 4096:  # bounded whatever the entries say
             _PRODUCERS.clear()
         producer = _PRODUCERS[key] = Producer(role, instance)

@@ -13,11 +13,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rollout_bus.events.names import name_arg
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout-bus executor", description="Rollout executor (an rq worker).")
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
-    p.add_argument("--namespace", default=None, help="default: $ROLLOUT_BUS_NAMESPACE or 'default'")
+    p.add_argument("--namespace", default=None, type=name_arg("namespace"), help="default: $ROLLOUT_BUS_NAMESPACE or 'default'")
     p.add_argument("--index", type=int, default=None,
                    help="a stable name, <host>-<namespace>-executor-<index>, that a restart takes over (one per "
                         "executor of a host); default: a name of this process alone")

@@ -33,6 +33,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
+from rollout_bus.events.names import name_arg
 from rollout_bus.launch.config import (
     DEFAULT_LORA,
     LOG_BACKENDS,
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=d.out, help="logs, weights, checkpoints, summary.json, reward.png")
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else a private redis-server")
-    p.add_argument("--namespace", default=None, help="default: a fresh one per run")
+    p.add_argument("--namespace", default=None, type=name_arg("namespace"), help="default: a fresh one per run")
     p.add_argument("--no-redis-aof", dest="redis_aof", action="store_false",
                    help="the private redis-server keeps no append-only file (default: <out>/redis/, fsync every "
                         "second; see docs/architecture.md for its cost)")

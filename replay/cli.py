@@ -30,12 +30,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from rollout_bus.events.names import name_arg
+
 log = logging.getLogger(__name__)
 
 
 def _live_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="default $REDIS_URL")
-    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", "default"),
+    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", "default"), type=name_arg("namespace"),
                    help="default $ROLLOUT_BUS_NAMESPACE or 'default'")
 
 
@@ -100,19 +102,19 @@ def parser() -> argparse.ArgumentParser:
 
     fe = sub.add_parser("feed", help="list the recorded batches, in the order a trainer would get them")
     fe.add_argument("log")
-    fe.add_argument("--policy", help="only this policy's batches")
+    fe.add_argument("--policy", type=name_arg("policy"), help="only this policy's batches")
     fe.add_argument("--limit", type=int, default=0, help="stop after N batches (0: all)")
 
     ho = sub.add_parser("hold", help="keep the policies' batch payloads after the trainers release them, "
                                      "so that an export can include them (before the run)")
-    ho.add_argument("--policy", action="append", required=True, help="repeat for several policies")
-    ho.add_argument("--group", default=None, help="the holding group (default log-export)")
+    ho.add_argument("--policy", action="append", required=True, type=name_arg("policy"), help="repeat for several policies")
+    ho.add_argument("--group", default=None, type=name_arg("group"), help="the holding group (default log-export)")
     ho.add_argument("--release", action="store_true", help="let go of what the group holds and drop it")
     _live_args(ho)
 
     o = sub.add_parser("offline", help="retrain from an exported log's batches (no engines, no Redis)")
     o.add_argument("--log", required=True, help="a log file written by rollout-bus replay export (with payloads)")
-    o.add_argument("--policy", required=True, help="train on this policy's batches")
+    o.add_argument("--policy", required=True, type=name_arg("policy"), help="train on this policy's batches")
     o.add_argument("--model-path", required=True,
                    help="initial weights: the tiny LM's (config.json + model.safetensors) or a HF model directory")
     o.add_argument("--steps", type=int, default=0, help="stop after N steps (0: every batch of the log)")

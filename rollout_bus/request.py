@@ -13,12 +13,14 @@ import json
 import sys
 from collections.abc import Sequence
 
+from rollout_bus.events.names import name_arg
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout-bus request", description="Queue a rollout request.")
     p.add_argument("--redis-url", default=None)
-    p.add_argument("--namespace", default=None)
-    p.add_argument("--policy", required=True)
+    p.add_argument("--namespace", default=None, type=name_arg("namespace"))
+    p.add_argument("--policy", required=True, type=name_arg("policy"))
     p.add_argument("--rollout-id", type=int, required=True)
     p.add_argument("--groups", type=int, required=True, help="prompt groups")
     p.add_argument("--samples", type=int, required=True, help="samples per group")

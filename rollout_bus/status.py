@@ -22,6 +22,8 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+from rollout_bus.events.names import name_arg
+
 if TYPE_CHECKING:
     from rollout_bus.events.metrics import BusSnapshot
 
@@ -32,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollout-bus status", description=__doc__.split("\n\n")[0])
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="redis:// or rediss:// URL (default $REDIS_URL, else redis://127.0.0.1:6379/0)")
-    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", "default"),
+    p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", "default"), type=name_arg("namespace"),
                    help="rollout-bus namespace (default $ROLLOUT_BUS_NAMESPACE or 'default')")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rollout_bus.trainer.service import Trainer
 
+from rollout_bus.events.names import name_arg
 from rollout_bus.trainer.config import (  # light: dataclasses only
     DP_STRATEGIES,
     LOG_BACKENDS,
@@ -47,8 +48,8 @@ COMMANDS = ("train", "record")
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
-    p.add_argument("--namespace", default=None, help="default: $ROLLOUT_BUS_NAMESPACE or 'default'")
-    p.add_argument("--policy", default="default")
+    p.add_argument("--namespace", default=None, type=name_arg("namespace"), help="default: $ROLLOUT_BUS_NAMESPACE or 'default'")
+    p.add_argument("--policy", default="default", type=name_arg("policy"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     t = sub.add_parser("train", help="the reference GRPO trainer (default)")
     _common(t)
-    t.add_argument("--trainer-id", default="trainer-0", help="names the consumer group; stable across restarts")
+    t.add_argument("--trainer-id", default="trainer-0", type=name_arg("trainer id"), help="names the consumer group; stable across restarts")
     t.add_argument("--steps", type=int, default=40)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--model-path", default="", help="initial weights (ignored when a checkpoint exists)")

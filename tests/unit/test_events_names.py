@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import inspect
 
+import msgpack
 import pytest
 from redis.crc import key_slot
 
+from rollout_bus.events.errors import DecodeError
 from rollout_bus.events.names import DEFAULT_NAMESPACE, Keys, check_name
+from rollout_bus.events.schema import FIELD, Producer, WeightsPublished, decode
 
 
 def every_key(keys: Keys) -> dict[str, str]:
@@ -71,12 +74,12 @@ def test_the_namespace_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert Keys.from_env().namespace == DEFAULT_NAMESPACE
 
 
-@pytest.mark.parametrize("good", ["a", "policy_1", "v1.2-beta", "A" * 64])
+@pytest.mark.parametrize("good", ["a", "policy_1", "policy_v2", "v1-2-beta", "_x", "A" * 64])
 def test_check_name_accepts_plain_names(good: str) -> None:
     assert check_name("policy", good) == good
 
 
-@pytest.mark.parametrize("bad", ["", "a:b", "a{b}", "a b", "a/b", "é", "a\n", "*", "A" * 65])
+@pytest.mark.parametrize("bad", ["", "a:b", "a{b}", "a b", "a/b", "é", "a\n", "*", "A" * 65, "policy.v2", "-x", ".x"])
 def test_check_name_rejects_names_that_could_break_a_key(bad: str) -> None:
     with pytest.raises(ValueError, match="policy"):
         check_name("policy", bad)
@@ -89,3 +92,29 @@ def test_keys_reject_a_bad_namespace_policy_and_source() -> None:
         Keys("n").batch_stream("x:y")
     with pytest.raises(ValueError, match="policy"):
         Keys("n").data_cursor("", "src")
+
+
+def test_a_policy_name_with_a_dot_is_refused_at_the_command_line_and_at_decode_naming_the_character(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A '.' breaks peft's adapter names (``policy.v2@v1`` is a KeyError inside the engine): such a name
+    never gets past the command line, and an event carrying one is refused where it is read."""
+    from rollout_bus.controller.cli import build_parser as controller_parser
+    from rollout_bus.trainer.cli import build_parser as trainer_parser
+
+    for parser, argv in ((trainer_parser(), ["train", "--policy", "policy.v2"]),
+                         (controller_parser(), ["--base-policy", "policy.v2"])):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "'policy.v2': character '.' at position 7 is not allowed" in err and "peft" in err
+    assert trainer_parser().parse_args(["train", "--policy", "policy_v2", "--weights-root", "w"]).policy == "policy_v2"
+
+    good = WeightsPublished(producer=Producer("trainer", "host.example.com-t0"), policy="policy_v2", version=1,
+                            uri="/w/policy_v2/v000001", sha256="ab" * 32)
+    assert decode({FIELD: msgpack.packb(good.to_dict())}) == good
+    bad = {**good.to_dict(), "policy": "policy.v2"}
+    with pytest.raises(DecodeError, match=r"field 'policy' is 'policy.v2': character '.' at position 7 is not allowed"):
+        decode({FIELD: msgpack.packb(bad)})
+    with pytest.raises(DecodeError, match=r"producer instance 'h:1': character ':' at position 2"):
+        decode({FIELD: msgpack.packb({**good.to_dict(), "producer": {"role": "trainer", "instance": "h:1"}})})

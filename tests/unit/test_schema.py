@@ -53,7 +53,7 @@ def sample(hint: Any) -> Any:
 
 def make(cls: type[Event]) -> Event:
     hints = typing.get_type_hints(cls)
-    kwargs = {f.name: f"{f.name}-0.x" if f.name in ID_FIELDS else sample(hints[f.name])
+    kwargs = {f.name: f"{f.name}-0_x" if f.name in ID_FIELDS else sample(hints[f.name])
               for f in dataclasses.fields(cls) if f.name not in ("producer", "event_id", "ts_ms")}
     return cls(producer=PRODUCER, **kwargs)
 
@@ -126,7 +126,7 @@ MALFORMED: dict[str, tuple[Any, str]] = {
     "version 1 with seq": (packed(valid_dict() | {"schema_version": 1}), "schema_version 1 has no field 'seq'"),
     "negative seq": (packed(valid_dict() | {"seq": -3}), "field 'seq' is -3"),
     "path in an id field": (packed(make(BatchReady).to_dict() | {"batch_id": "../x"}), "field 'batch_id' is '../x'"),
-    "dot-dot as an id": (packed(make(BatchReady).to_dict() | {"batch_id": ".."}), "not a safe name"),
+    "dot-dot as an id": (packed(make(BatchReady).to_dict() | {"batch_id": ".."}), "field 'batch_id' is '..': character '.' at position 1 is not allowed"),
     "slash in a policy": (packed(make(BatchReady).to_dict() | {"policy": "a/b"}), "field 'policy'"),
     "housekeeping event at version 1": (packed({k: v for k, v in make(GroupExpired).to_dict().items() if k != "seq"}
                                                | {"schema_version": 1}), "expected 2"),

@@ -22,7 +22,7 @@ from tests.support.fake_rollouts import fake_batch
 
 def make_client(client: fakeredis.FakeRedis, keys: Keys) -> RolloutClient:
     Registry(client, keys).put_policy(PolicyRecord("alpha", serving=0))
-    rc = RolloutClient(client, keys, ClientConfig(policy="alpha", trainer_id="t.one", group="t.one", block_ms=10),
+    rc = RolloutClient(client, keys, ClientConfig(policy="alpha", trainer_id="t_one", group="t_one", block_ms=10),
                        Producer("trainer", "x"))
     rc.start()
     return rc
@@ -45,7 +45,7 @@ def test_requests_are_queued_once_under_deterministic_ids(keys: Keys) -> None:
     assert [e.request_id for e in events if isinstance(e, RolloutRequested)] == [rid]
     assert client.llen(f"rq:queue:{keys.rollout_queue}") == 1
     joined = [decode(f) for _, f in page(client, keys.trainer_stream)]
-    assert isinstance(joined[0], TrainerJoined) and joined[0].group == "t.one"
+    assert isinstance(joined[0], TrainerJoined) and joined[0].group == "t_one"
 
 
 def test_get_hands_over_the_batch_of_the_rollout_asked_for(keys: Keys) -> None:
@@ -64,7 +64,7 @@ def test_get_hands_over_the_batch_of_the_rollout_asked_for(keys: Keys) -> None:
     consumed = [e for e in consumed if isinstance(e, BatchConsumed)]
     assert [(c.batch_id, c.staleness, c.accepted) for c in consumed] == [
         ("batch-x-r1", 0, True), ("batch-x-r2", 1, False)]
-    assert client.xpending(keys.batch_stream("alpha"), "t.one")["pending"] == 0
+    assert client.xpending(keys.batch_stream("alpha"), "t_one")["pending"] == 0
 
 
 def test_a_new_client_under_the_same_name_re_reads_its_pending_batches_first(keys: Keys) -> None:
@@ -84,7 +84,7 @@ def test_a_second_trainer_of_the_same_policy_is_refused_with_a_message_naming_th
     first = make_client(client, keys)
     second = RolloutClient(client, keys, ClientConfig(policy="alpha", trainer_id="intruder", group="intruder",
                                                       lease_ttl_s=0.5), Producer("trainer", "y"))
-    with pytest.raises(PolicyTaken, match="already trained by 't.one'.*--dp-rank and --dp-size"):
+    with pytest.raises(PolicyTaken, match="already trained by 't_one'.*--dp-rank and --dp-size"):
         second.start()
     assert not client.sismember(keys.registered_groups(keys.batch_stream("alpha")), "intruder")
     first.stop()
@@ -122,7 +122,7 @@ def test_a_lease_whose_holder_stopped_renewing_is_taken_once_it_lapsed(keys: Key
 def test_a_batch_waiting_in_the_buffer_is_neither_reclaimed_nor_dead_lettered(keys: Keys) -> None:
     client = fakeredis.FakeRedis()
     Registry(client, keys).put_policy(PolicyRecord("alpha", serving=0))
-    rc = RolloutClient(client, keys, ClientConfig(policy="alpha", trainer_id="t.one", group="t.one", block_ms=10,
+    rc = RolloutClient(client, keys, ClientConfig(policy="alpha", trainer_id="t_one", group="t_one", block_ms=10,
                                                   claim_idle_ms=200), Producer("trainer", "x"))
     rc.consumer.config.claim_every_ms = 0  # claims run on every read
     rc.consumer.config.max_deliveries = 2
@@ -133,7 +133,7 @@ def test_a_batch_waiting_in_the_buffer_is_neither_reclaimed_nor_dead_lettered(ke
     deadline = time.monotonic() + 1.5  # over seven times the claim idle
     while time.monotonic() < deadline:
         rc.poll(block_ms=10)
-    (row,) = client.xpending_range(stream, "t.one", min="-", max="+", count=10)
+    (row,) = client.xpending_range(stream, "t_one", min="-", max="+", count=10)
     assert row["times_delivered"] == 1
     assert client.xlen(keys.dead_letters) == 0
     assert rc.get(1, timeout_s=0.1).deliveries == 1
@@ -173,7 +173,7 @@ def test_a_crash_in_the_middle_of_an_ack_loses_neither_the_event_nor_the_payload
     assert [(c.batch_id, c.accepted) for c in consumed] == [("batch-x-r0", True)]
     assert client.zcard(keys.payload_index) == 0  # released: the only group read it
     assert not client.exists(keys.payload_chunk(batch.event.payload["ref"], 0))
-    assert client.xpending(keys.batch_stream("alpha"), "t.one")["pending"] == 0
+    assert client.xpending(keys.batch_stream("alpha"), "t_one")["pending"] == 0
 
 
 def test_every_request_id_of_a_trainer_with_a_long_valid_id_is_a_valid_request_id(keys: Keys) -> None:
