@@ -79,6 +79,7 @@ def test_lease_and_fence_writes_wait_for_the_replicas(redis_client: redis.Redis,
     monkeypatch.setenv("ROLLOUT_BUS_WAIT_REPLICAS", "1")  # as under Sentinel; this server has no replica
     monkeypatch.setenv("ROLLOUT_BUS_WAIT_TIMEOUT_MS", "20")
     monkeypatch.setenv("ROLLOUT_BUS_WAIT_ATTEMPTS", "1")
+    monkeypatch.setenv("ROLLOUT_BUS_WAIT_DEGRADED_S", "0")  # no degraded wait: the error at once
     a = lease(redis_client, keys, "a")
     with pytest.raises(ReplicationTimeout, match="lease"):
         a.try_acquire()
