@@ -31,7 +31,8 @@ local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 if token ~= ARGV[2] then
   return redis.error_reply('LEASE_LOST ' .. KEYS[1] .. ' ' .. ARGV[1] .. ': '
-    .. (held and ('held by another holder (' .. held .. ')') or 'lapsed, no holder'))
+    .. (held and ('held by another holder (' .. string.gsub(string.sub(held, 1, 80), '[^%w%.%-_:|]', '?') .. ')')
+        or 'lapsed, no holder'))
 end
 if tonumber(untl) <= now then
   return redis.error_reply('LEASE_LOST ' .. KEYS[1] .. ' ' .. ARGV[1] .. ': lapsed ' .. (now - tonumber(untl))

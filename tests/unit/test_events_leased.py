@@ -6,6 +6,8 @@ import time
 
 import fakeredis
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rollout_bus.events.batches import BatchChannel
 from rollout_bus.events.connection import Guard
@@ -97,3 +99,22 @@ def test_a_wrapped_script_sees_only_its_own_keys_and_arguments(keys: Keys) -> No
     script_keys, args = fence.keys("k1", "k2"), fence.args("a1", "a2", "a3")
     reply = guarded(Guard(client), lambda c: script(keys=script_keys, args=args, client=c))
     assert reply == [2, b"k1", 3, b"a1", b"a2"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.binary(max_size=48), token=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="|"), min_size=1,
+                                                                max_size=12))
+def test_whatever_a_lease_field_holds_only_the_writers_live_token_lets_a_write_through(
+        keys: Keys, value: bytes, token: str) -> None:
+    client = fakeredis.FakeRedis()
+    fence = LeaseFence(keys.trainer_lease("alpha"), "r0", token)
+    publisher = Publisher(client, keys, Producer("trainer", "a"))
+    client.hset(fence.key, "r0", value)  # anything: a damaged or foreign record
+    live = value.startswith(f"{token}|".encode())
+    if not live:
+        with pytest.raises(LeaseLost):
+            publisher.publish(keys.trainer_stream, joined(), lease=fence)
+    until = time.time_ns() // 1_000_000 + 60_000
+    client.hset(fence.key, "r0", f"{token}|{until}|".encode() + value)
+    publisher.publish(keys.trainer_stream, joined(), lease=fence)  # the live token, whatever follows it
+    client.delete(keys.trainer_stream)
