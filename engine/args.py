@@ -18,6 +18,8 @@ class EngineArgs:
     token_delay_ms: float = 0.0
     token_delay_per_seq_ms: float = 0.0
     max_batch_size: int = 32
+    max_seqs_per_request: int = 4096
+    max_queued_seqs: int = 16384
     seed: int = 0
     device: str = "cpu"
     torch_threads: int = 1
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more sleep per decode step for each sequence in it (a step cost that grows with "
                              "the batch)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="most sequences decoded together")
+    parser.add_argument("--max-seqs-per-request", type=int, default=4096,
+                        help="most sequences one /generate may ask for (prompts times n); more is a 400")
+    parser.add_argument("--max-queued-seqs", type=int, default=16384,
+                        help="most sequences waiting for a batch slot; a request that would pass it is a 429")
     parser.add_argument("--seed", type=int, default=0, help="seeds sampling of requests without sampling_seed")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (tiny models: 1)")
@@ -96,6 +102,10 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineArgs:
     ns = parser.parse_args(argv)
     if ns.max_batch_size < 1:
         parser.error("--max-batch-size must be >= 1")
+    if ns.max_seqs_per_request < 1:
+        parser.error("--max-seqs-per-request must be >= 1")
+    if ns.max_queued_seqs < ns.max_seqs_per_request:
+        parser.error("--max-queued-seqs must be >= --max-seqs-per-request (else a request that fits could never queue)")
     if ns.token_delay_ms < 0:
         parser.error("--token-delay-ms must be >= 0")
     if ns.token_delay_per_seq_ms < 0:

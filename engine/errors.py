@@ -19,3 +19,9 @@ class Unavailable(EngineError):
     """The engine cannot serve this now (stopping, weights released, paused health check)."""
 
     status = 503
+
+
+class Overloaded(EngineError):
+    """The engine holds as many queued sequences as it is configured for; the message says the bound."""
+
+    status = 429

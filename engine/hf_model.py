@@ -32,13 +32,13 @@ class HFServed(ServedModel):
                  tokenizer: bool = True) -> None:
         from transformers import DynamicCache
 
+        reference = tensor_shapes(Path(model_path))  # first: only safetensors are loaded (never a pickled .bin)
         model = hf.load_model(model_path, device)
         loaded = hf.load_tokenizer(model_path) if tokenizer else None
         config = model.config
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         codec = HFCodec(loaded, int(config.get_text_config().vocab_size), eos_ids, model_path if tokenizer else None)
-        reference = tensor_shapes(Path(model_path))
         super().__init__(model, reference, codec, max_seq_len=int(config.max_position_embeddings), device=device,
                          version=version, source=model_path, lora=lora)
         self.model_type = str(config.model_type)

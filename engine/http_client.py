@@ -65,6 +65,11 @@ class EngineHTTPError(Failure):
         return 400 <= self.status < 500
 
     @property
+    def overloaded(self) -> bool:
+        """A 429: the engine's queue is full now; another engine, or this one later, can serve the call."""
+        return self.status == 429
+
+    @property
     def unflushed(self) -> bool:
         """SGLang's 400 after a weight load it could not follow with a cache flush: the new weights ARE
         loaded, the reported version is still the old one."""

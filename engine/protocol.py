@@ -16,10 +16,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 from rollout_bus.engine.errors import BadRequest
+from rollout_bus.events.rollouts import MIN_TEMPERATURE
 
 DEFAULT_MAX_NEW_TOKENS = 128
 FIT = -1  # max_new_tokens not given: as many as fit in max_seq_len, at most DEFAULT_MAX_NEW_TOKENS
 MAX_N = 64
+DEFAULT_MAX_SEQS = 4096
+"""Most sequences one /generate request may ask for (prompts times ``n``): ``--max-seqs-per-request``."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays and objects a request body may have (SGLang's shapes need 3)."""
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
 
@@ -104,19 +109,38 @@ class Limits:
     adapters: frozenset[str]
     lora_enabled: bool
     has_tokenizer: bool = True
+    max_seqs: int = DEFAULT_MAX_SEQS
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The JSON object in ``raw``; an empty body is ``{}``."""
+    """The JSON object in ``raw``; an empty body is ``{}``. Nesting deeper than ``MAX_JSON_DEPTH``, and
+    what Python's parser refuses on its own (an integer past its digit limit, nesting past the recursion
+    limit) are ``BadRequest`` too."""
     if not raw.strip():
         return {}
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        raise BadRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
+    except ValueError as exc:  # an integer past Python's digit limit for int-string conversion
+        raise BadRequest(f"request body has a number too long to parse: {str(exc)[:120]}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    _check_depth(body)
     return body
+
+
+def _check_depth(body: dict[str, Any]) -> None:
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+        for child in value.values() if isinstance(value, dict) else value:
+            if isinstance(child, list | dict):
+                stack.append((child, depth + 1))
 
 
 def reject_unknown(body: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -150,9 +174,13 @@ def get_float(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name, default)
     if value is None:
         return default
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a finite number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer too large for a float
+        number = math.nan
+    if not math.isfinite(number):
+        raise BadRequest(f"{name} must be a finite number, got {value!r}"[:300])
+    return number
 
 
 def get_str(body: dict[str, Any], name: str, default: str | None) -> str | None:
@@ -186,8 +214,9 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     min_p = get_float(raw, "min_p", 0.0)
     max_new_tokens = get_optional_int(raw, "max_new_tokens")
     n = get_int(raw, "n", 1)
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if temperature != 0.0 and not temperature >= MIN_TEMPERATURE:
+        raise BadRequest(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller ones are 0 in "
+                         f"float32 and cannot be sampled), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
     if top_k == 0 or top_k < -1:
@@ -247,13 +276,20 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> GenerateInput:
     return_logprob = get_bool(body, "return_logprob", False)
     text_in_logprobs = get_bool(body, "return_text_in_logprobs", False)
     stream = get_bool(body, "stream", False)
-    sequences: list[SequenceSpec] = []
+    per_prompt: list[SamplingParams] = []
     for index, prompt in enumerate(prompts):
         where = f"input_ids[{index}]" if batched else "input_ids"
         params = _fit(parse_sampling_params(param_list[index], limits.vocab_size), len(prompt), limits.max_seq_len, where)
         if params.stop and not limits.has_tokenizer:
             raise BadRequest("stop strings need a tokenizer, and the engine runs with --skip-tokenizer-init: "
                              "use stop_token_ids")
+        per_prompt.append(params)
+    total = sum(p.n for p in per_prompt)
+    if total > limits.max_seqs:
+        raise BadRequest(f"this request asks for {total} sequences ({count} prompt(s) times n), over the engine's "
+                         f"--max-seqs-per-request {limits.max_seqs}: split it into smaller requests")
+    sequences: list[SequenceSpec] = []
+    for index, (prompt, params) in enumerate(zip(prompts, per_prompt, strict=True)):
         group = groups[index]
         for sample in range(params.n):
             seed = None if params.sampling_seed is None else params.sampling_seed + sample
@@ -284,6 +320,7 @@ def _prompts(body: dict[str, Any], limits: Limits) -> tuple[list[list[int]], boo
             texts, batched = text, True
         else:
             raise BadRequest(f"text must be a string or a non-empty list of strings, got {text!r}"[:300])
+        _check_count(len(texts), limits)
         try:
             prompts = [limits.encode(t) for t in texts]
         except ValueError as exc:
@@ -298,12 +335,19 @@ def _prompts(body: dict[str, Any], limits: Limits) -> tuple[list[list[int]], boo
         raise BadRequest(f"input_ids must be a list of token ids or a list of such lists, got {raw_ids!r}"[:300])
     batched = all(isinstance(x, list) for x in raw_ids)
     id_lists: list[Any] = raw_ids if batched else [raw_ids]
+    _check_count(len(id_lists), limits)
     for index, prompt in enumerate(id_lists):
         where = f"input_ids[{index}]" if batched else "input_ids"
         if not isinstance(prompt, list) or not prompt:
             raise BadRequest(f"{where} must be a non-empty list of token ids")
         _check_ids(prompt, limits.vocab_size, where)
     return id_lists, batched
+
+
+def _check_count(prompts: int, limits: Limits) -> None:
+    if prompts > limits.max_seqs:
+        raise BadRequest(f"this request has {prompts} prompts, over the engine's --max-seqs-per-request "
+                         f"{limits.max_seqs}: split it into smaller requests")
 
 
 def _check_extras(body: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 Handlers parse and validate on the event loop, hand work to the scheduler thread as commands, and
 await the results. With ``--api-key`` every route but ``/health*``, ``/ready`` and ``/metrics`` (and
-any OPTIONS request) needs ``Authorization: Bearer KEY``, as SGLang's middleware does.
+any OPTIONS request) needs ``Authorization: Bearer KEY``, as SGLang's middleware does. The controller's
+fencing token is read on those same routes only, after the key.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 20.0
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 FENCE_SEEN = web.AppKey("fence_seen", dict)
+MAX_FENCE_CHARS = 20
+"""A fencing token is a Redis counter (a signed 64-bit integer): at most 20 characters."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -48,36 +51,48 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return web.json_response({"error": {"message": f"internal error: {exc!r}"}}, status=500)
 
 
-def api_key_middleware(key: str) -> Any:
-    expected = key.encode()
+def guard_middleware(key: str | None) -> Any:
+    """The API key, then the fence, on every route but the open ones (``OPEN_PREFIXES`` and OPTIONS).
+
+    The fence header is read only after the key is checked, so an anonymous caller can never raise the
+    highest token seen and lock the controller out. A fenced call answers 409 with ``fenced: true`` and
+    the ``highest`` token seen, which the controller tells apart from an engine failure."""
+    expected = key.encode() if key else None
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method == "OPTIONS" or request.path.startswith(OPEN_PREFIXES):
             return await handler(request)
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
+        if expected is not None:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        refused = check_fence(request)
+        return refused if refused is not None else await handler(request)
 
     return check
-@web.middleware
-async def fence_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A call carrying a controller's fencing token older than the highest seen is refused (409)."""
+
+
+def check_fence(request: web.Request) -> web.Response | None:
+    """None when the call may go on (no token, or one no older than the highest seen, which it raises)."""
     raw = request.headers.get(FENCE_HEADER)
     if raw is None:
-        return await handler(request)
+        return None
     try:
-        token = int(raw)
+        token = int(raw) if len(raw) <= MAX_FENCE_CHARS else None
     except ValueError:
-        return web.json_response({"error": {"message": f"{FENCE_HEADER} must be an integer, got {raw!r}"}},
+        token = None
+    if token is None:
+        return web.json_response({"error": {"message": f"{FENCE_HEADER} must be an integer, got {raw[:40]!r}"}},
                                  status=400)
     seen = request.app[FENCE_SEEN]
     if token < seen["highest"]:
-        return web.json_response({"success": False, "message": f"fenced: token {token} is older than "
-                                  f"{seen['highest']}: another controller took over"}, status=409)
+        highest = seen["highest"]
+        return web.json_response({"success": False, "fenced": True, "highest": highest,
+                                  "message": f"fenced: token {token} is older than {highest}: "
+                                             "another controller took over"}, status=409)
     seen["highest"] = token
-    return await handler(request)
+    return None
 
 
 class Routes:
@@ -105,7 +120,8 @@ class Routes:
     def limits(self) -> Limits:
         return Limits(vocab_size=self.model.vocab_size, max_seq_len=self.model.max_seq_len,
                       encode=self.model.codec.encode, adapters=self.scheduler.usable_adapters(),
-                      lora_enabled=self.model.lora.enabled, has_tokenizer=not self.engine.args.skip_tokenizer_init)
+                      lora_enabled=self.model.lora.enabled, has_tokenizer=not self.engine.args.skip_tokenizer_init,
+                      max_seqs=self.engine.args.max_seqs_per_request)
 
     # generation
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -122,9 +138,9 @@ class Routes:
                 if progress.finish is not None:
                     finals[progress.spec.rid] = progress
         finally:
-            for seq in seqs:
-                if seq.rid not in finals:
-                    self.scheduler.abort(seq.rid, "the client went away", exact=True)
+            unfinished = [seq for seq in seqs if seq.rid not in finals]
+            if unfinished:
+                self.scheduler.abort_seqs(unfinished, "the client went away")
         replies = [self._reply(finals[s.rid]) for s in seqs]
         return web.json_response(replies if parsed.batched else replies[0])
 
@@ -255,9 +271,7 @@ class Routes:
 
 
 def build_app(engine: Engine) -> web.Application:
-    middlewares = [fence_middleware, error_middleware]
-    if engine.args.api_key:
-        middlewares.insert(0, api_key_middleware(engine.args.api_key))
+    middlewares = [guard_middleware(engine.args.api_key), error_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=16 * 1024 * 1024)
     app[FENCE_SEEN] = {"highest": 0}
     Routes(engine).add_to(app)

@@ -45,7 +45,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.model,
             SchedulerConfig(max_batch_size=args.max_batch_size, token_delay_ms=args.token_delay_ms,
-                            token_delay_per_seq_ms=args.token_delay_per_seq_ms, seed=args.seed),
+                            token_delay_per_seq_ms=args.token_delay_per_seq_ms, seed=args.seed,
+                            max_queued_seqs=args.max_queued_seqs),
         )
 
     def start(self) -> None:

@@ -22,7 +22,6 @@ import queue
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,11 +29,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from rollout_bus.engine.errors import BadRequest, Unavailable
+from rollout_bus.engine.errors import BadRequest, Overloaded, Unavailable
 from rollout_bus.engine.protocol import PauseMode
 from rollout_bus.engine.sampling import sample_next
 from rollout_bus.engine.sequence import Seq, abort_reason, finish_reason_after
 from rollout_bus.engine.served import ServedModel, WeightUpdate
+from rollout_bus.engine.waiting import WaitQueue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +52,8 @@ class SchedulerConfig:
     """The step's delay grows by this for every sequence in it (see ``step_delay_s``)."""
     seed: int = 0
     idle_poll_s: float = 0.5
+    max_queued_seqs: int = 16384
+    """Most sequences waiting for a batch slot; a submit that would pass it is refused whole (429)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._rng = random.Random(config.seed)
         # owned by the scheduler thread
-        self._waiting: deque[Seq] = deque()
+        self._waiting = WaitQueue()
         self._running: list[Seq] = []
         self._by_rid: dict[str, Seq] = {}
         self._batch = model.new_batch()
@@ -128,8 +130,13 @@ class Scheduler:
 
     def abort(self, rid: str | None, message: str, exact: bool = False) -> Future[int]:
         """Abort as SGLang does: every sequence when ``rid`` is None; else nothing unless ``rid`` is in
-        flight, then it and every rid that starts with it (only ``rid`` when ``exact``)."""
+        flight, then it and every rid that starts with it (only ``rid`` when ``exact``, in O(1))."""
         return self.call(lambda: self._abort(self._matching(rid, exact), message))
+
+    def abort_seqs(self, seqs: list[Seq], message: str) -> Future[int]:
+        """Abort those of ``seqs`` still in flight (a request whose client went away), in one command
+        costing O(1) per sequence."""
+        return self.call(lambda: self._abort([s for s in seqs if self._by_rid.get(s.rid) is s], message))
 
     def pause(self, mode: PauseMode) -> Future[int]:
         return self.call(lambda: self._pause(mode))
@@ -165,6 +172,10 @@ class Scheduler:
 
     # commands
     def _submit(self, seqs: list[Seq]) -> None:
+        cap = self.config.max_queued_seqs
+        if len(self._waiting) + len(seqs) > cap:
+            raise Overloaded(f"the queue is full: {len(self._waiting)} sequence(s) wait and this request adds "
+                             f"{len(seqs)}, over --max-queued-seqs {cap}; retry later or send fewer")
         usable = self.usable_adapters()
         for seq in seqs:
             if seq.rid in self._by_rid:
@@ -184,12 +195,13 @@ class Scheduler:
         self._count()
 
     def _matching(self, rid: str | None, exact: bool = False) -> list[Seq]:
-        seqs = [*self._running, *self._waiting]
         if rid is None:
-            return seqs
+            return [*self._running, *self._waiting]
         if rid not in self._by_rid:
             return []
-        return [s for s in seqs if s.rid == rid or (not exact and s.rid.startswith(rid))]
+        if exact:
+            return [self._by_rid[rid]]
+        return [s for s in (*self._running, *self._waiting) if s.rid.startswith(rid)]
 
     def _abort(self, seqs: list[Seq], message: str, status_code: int | None = None) -> int:
         for seq in seqs:
@@ -392,7 +404,7 @@ class Scheduler:
             if lora is not None:
                 adapters.add(lora)
             self._running.append(seq)
-        self._waiting.extendleft(reversed(skipped))
+        self._waiting.extendleft(skipped)
 
     def _step(self) -> None:
         self._admit()
@@ -414,10 +426,14 @@ class Scheduler:
 
     def _advance(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         generators = [s.generator for s in seqs if s.generator is not None]
-        tokens, logprobs = sample_next(logits, [s.params for s in seqs], generators)
+        tokens, logprobs, failed = sample_next(logits, [s.params for s in seqs], generators)
         version = self.model.version
         codec = self.model.codec
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+        for row, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs, strict=True)):
+            if row in failed:  # only this sequence ends; the others of the step go on
+                logger.warning("sequence %s: %s", seq.rid, failed[row])
+                self._finish(seq, abort_reason(failed[row], status_code=500))
+                continue
             seq.append(token, logprob, version)
             finish = finish_reason_after(seq, codec)
             if finish is not None:

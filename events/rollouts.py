@@ -2,7 +2,8 @@
 
 The request travels as the single JSON argument of an rq job (``to_json``) and is
 rebuilt strictly by the executor (``from_json``): an unknown or mistyped field is an
-``InvalidRequest`` naming the field, never silently dropped.
+``InvalidRequest`` naming the field, never silently dropped. Its sizes have upper bounds
+(``RequestBounds``), checked by the submitter and again by the executor.
 """
 
 from __future__ import annotations
@@ -21,6 +22,64 @@ from rollout_bus.events.names import check_name
 MAX_REQUEST_ID = 58
 """rq job ids take letters, digits, '_' and '-'; 58 so that the batch id "batch-<request_id>" fits in 64."""
 _REQUEST_ID_RE = re.compile(rf"[A-Za-z0-9_\-]{{1,{MAX_REQUEST_ID}}}")
+MIN_TEMPERATURE = 1e-4
+"""The smallest sampling temperature above 0 (greedy) that a rollout request or an engine accepts: a
+smaller one is 0 in float32, and sampling at it divides by zero. The CPU engine uses this value too."""
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """Upper bounds on what one rollout request may ask for: prompts reserved and drawn, samples and
+    tokens an executor holds, the size of the batch it publishes. The defaults fit a 24 GiB host: at
+    most 16,384 samples and 2**25 generated tokens per request (about 2.5 GiB of tokens and log-probs
+    in an executor's lists)."""
+
+    max_groups: int = 4096
+    """``n_groups`` and ``over_sample_groups`` (prompts reserved per round)."""
+    max_samples_per_group: int = 1024
+    max_samples: int = 16384
+    """Samples one sampling round draws: ``max(n_groups, over_sample_groups) * n_samples_per_group``."""
+    max_new_tokens: int = 32768
+    max_tokens: int = 2**25
+    """Tokens one sampling round may generate: samples drawn times ``max_new_tokens``."""
+    max_stop_token_ids: int = 256
+    max_returned: int = 4096
+    """Data-source items given back with a request (``returned``)."""
+
+    def problems(self, request: RolloutRequest) -> list[str]:
+        """What in ``request`` passes a bound, each naming the field and the bound (fields of the wrong
+        type are reported by ``RolloutRequest.validate`` itself)."""
+        out: list[str] = []
+
+        def over(name: str, value: Any, bound: int, field_name: str) -> bool:
+            if _int(value) and value > bound:
+                out.append(f"{name} is {value}, over the bound {bound} (RequestBounds.{field_name})")
+                return True
+            return False
+
+        over("n_groups", request.n_groups, self.max_groups, "max_groups")
+        over("over_sample_groups", request.over_sample_groups, self.max_groups, "max_groups")
+        over("n_samples_per_group", request.n_samples_per_group, self.max_samples_per_group,
+             "max_samples_per_group")
+        sampling = request.sampling if isinstance(request.sampling, SamplingParams) else None
+        if sampling is not None:
+            over("sampling.max_new_tokens", sampling.max_new_tokens, self.max_new_tokens, "max_new_tokens")
+        if sampling is not None and isinstance(sampling.stop_token_ids, list | tuple):
+            over("the number of sampling.stop_token_ids", len(sampling.stop_token_ids), self.max_stop_token_ids,
+                 "max_stop_token_ids")
+        if isinstance(request.returned, list):
+            over("the number of returned items", len(request.returned), self.max_returned, "max_returned")
+        drawn = [g for g in (request.n_groups, request.over_sample_groups) if g is not None and _int(g)]
+        if drawn and _int(request.n_samples_per_group):
+            samples = max(drawn) * request.n_samples_per_group
+            if not over("samples per round (max(n_groups, over_sample_groups) * n_samples_per_group)", samples,
+                        self.max_samples, "max_samples") and sampling is not None and _int(sampling.max_new_tokens):
+                over("tokens per round (samples per round * sampling.max_new_tokens)",
+                     samples * sampling.max_new_tokens, self.max_tokens, "max_tokens")
+        return out
+
+
+DEFAULT_BOUNDS = RequestBounds()
 
 
 def now_ms() -> int:
@@ -39,16 +98,17 @@ class SamplingParams:
 
     def problems(self) -> list[str]:
         out: list[str] = []
-        if not _number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            out.append(f"sampling.temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not _number(self.temperature) or not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
+            out.append(f"sampling.temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, 100], "
+                       f"got {self.temperature!r}"[:300])
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             out.append(f"sampling.top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             out.append(f"sampling.top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
         if not _int(self.max_new_tokens) or self.max_new_tokens < 1:
             out.append(f"sampling.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not all(_int(t) and t >= 0 for t in self.stop_token_ids):
-            out.append(f"sampling.stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(_int(t) and t >= 0 for t in self.stop_token_ids):
+            out.append(f"sampling.stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"[:300])
         return out
 
     def to_sglang(self) -> dict[str, Any]:
@@ -110,7 +170,7 @@ class RolloutRequest:
 
     # --- validation ----------------------------------------------------------------------
     def validate(self, known_policies: Collection[str] | None = None, *, check_deadline: bool = True,
-                 at_ms: int | None = None) -> None:
+                 at_ms: int | None = None, bounds: RequestBounds = DEFAULT_BOUNDS) -> None:
         """Raise ``InvalidRequest`` listing everything to fix.
 
         ``known_policies`` None skips the policy check; ``check_deadline`` False accepts a deadline
@@ -142,6 +202,7 @@ class RolloutRequest:
             problems.append("sampling must be SamplingParams")
         else:
             problems += self.sampling.problems()
+        problems += bounds.problems(self)
         if self.deadline_ms is not None:
             if not _int(self.deadline_ms):
                 problems.append(f"deadline_ms must be an integer (unix ms), got {self.deadline_ms!r}")
@@ -199,5 +260,9 @@ def _int(value: Any) -> bool:
 
 
 def _number(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(float(value)))
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer too large for a float
+        return False

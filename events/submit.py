@@ -12,7 +12,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rq import Queue, Retry
@@ -25,7 +25,7 @@ from rollout_bus.events.errors import BusUnavailable, InvalidRequest
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import Registry
-from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.rollouts import RequestBounds, RolloutRequest
 from rollout_bus.events.schema import Producer, RolloutRequested
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ class SubmitConfig:
     batch itself travels on the bus, so keeping one key per request for a day only costs memory."""
     known_policies: tuple[str, ...] | None = None
     """Policies a request may name; None: those in the registry (policy records and engine versions)."""
+    bounds: RequestBounds = field(default_factory=RequestBounds)
+    """Upper bounds of a request's sizes (the executors check their own again)."""
 
 
 def queue_name(keys: Keys, eval_request: bool) -> str:
@@ -85,7 +87,7 @@ class RolloutSubmitter:
 
     def submit(self, request: RolloutRequest) -> Job:
         """Queue ``request`` (``InvalidRequest`` if it is not valid); a repeat returns the existing job."""
-        request.validate(self.known_policies(request.policy))
+        request.validate(self.known_policies(request.policy), bounds=self.config.bounds)
         queue = self._queues[queue_name(self.keys, request.eval)]
 
         def enqueue(_: Redis) -> Job:  # a retry after a lost reply finds the job there: DuplicateJobError

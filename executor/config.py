@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from rollout_bus.events.names import DEFAULT_NAMESPACE
+from rollout_bus.events.rollouts import RequestBounds
 from rollout_bus.executor.engines import RouterConfig
 from rollout_bus.executor.plugins import PluginConfig
 from rollout_bus.executor.rollout import RolloutConfig
@@ -36,6 +37,8 @@ class ExecutorConfig:
     """Where batch payloads go (``events.payload`` spec): ``redis``, ``shm[:/dir]`` or ``file:/shared/dir``."""
     check_policy: bool = True
     """Fail a request at once when the registry does not know its policy (no record, no engine has it)."""
+    request_bounds: RequestBounds = field(default_factory=RequestBounds)
+    """Upper bounds of a request's sizes; a request past one fails at once, naming the field and bound."""
     heartbeat_ttl_s: int = 10
     """A job whose executor sent no heartbeat for this long is abandoned and requeued (rq retry)."""
     heartbeat_interval_s: float = 2.0

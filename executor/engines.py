@@ -195,7 +195,7 @@ class EngineCaller:
                     self.router.refresh_soon()
                     await asyncio.sleep(min(0.05 * failovers, 0.5))
                     continue
-                if exc.rejected:
+                if exc.rejected and not exc.overloaded:
                     raise EngineRejected(f"engine {record.engine_id} rejected a generate call: {exc}") from None
                 failovers = self._failed_over(record, rid, failovers, exc, avoid)
                 continue

@@ -160,7 +160,7 @@ class ExecutorService:
         try:
             request = RolloutRequest.from_json(request_json)
             request.validate(registry_policies(parts.registry) if self.config.check_policy else None,
-                             check_deadline=False)
+                             check_deadline=False, bounds=self.config.request_bounds)
             source = parts.plugins.data_source(request.data)
         except (InvalidRequest, Permanent):
             job.save_meta()

@@ -18,7 +18,8 @@ def test_each_row_follows_its_own_parameters_and_reports_the_temperature_scaled_
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=1.0, top_p=1e-6)]
-    tokens, logprobs = sample_next(logits, params, generators(4))
+    tokens, logprobs, failed = sample_next(logits, params, generators(4))
+    assert failed == {}
     argmax = logits.argmax(-1).tolist()
     assert tokens[0] == argmax[0] and tokens[2] == argmax[2] and tokens[3] == argmax[3]
     for row, (token, temperature) in enumerate(zip(tokens, [1.0, 0.7, 1.0, 1.0], strict=True)):
