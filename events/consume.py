@@ -141,7 +141,7 @@ class Consumer:
         if ttl is not None and (self._heartbeat is None or not self._heartbeat.alive):
             period = ttl / 4
             name = f"{self.group}/{self.name}"
-            self._heartbeat = Heartbeat(self, self._send_beat, period, name).start(
+            self._heartbeat = Heartbeat(self, Consumer._send_beat, period, name).start(
                 heartbeat_guard(self.client, name, period))
 
     def _create(self, c: redis.Redis, lost: bool) -> None:

@@ -3,6 +3,7 @@ group's TTL whose group the janitor expired resumes without silent loss (entries
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from rollout_bus.events.consume import Consumer, ConsumerConfig
 from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.groups import parse_id
 from rollout_bus.events.janitor import Janitor, JanitorConfig
@@ -104,3 +106,16 @@ def test_a_consumer_paused_past_the_ttl_whose_group_expired_resumes_without_sile
     finally:
         stop(proc)
     assert "recreated after" in (tmp_path / "c0.log").read_text()
+
+
+def test_a_consumer_dropped_without_close_stops_beating(redis_client: redis.Redis, keys: Keys) -> None:
+    """The heartbeat thread holds its consumer weakly: dropping the consumer ends it, so its group can lapse."""
+    consumer = Consumer(redis_client, keys, keys.weight_stream, "dropped", "c0",
+                        ConsumerConfig(block_ms=1, group_ttl_s=0.2))
+    consumer.ensure_group()
+    consumer.read()
+    heartbeat = consumer._heartbeat
+    assert heartbeat is not None and heartbeat.alive
+    del consumer
+    gc.collect()
+    wait_for("the heartbeat thread to end", lambda: not heartbeat.alive, 3)
