@@ -244,3 +244,21 @@ def test_the_status_user_reads_everything_and_writes_nothing(acl_server: AclServ
     admin = acl_server.client("admin")
     imported = import_log(admin, Keys("sts-copy"), tmp_path / "ro.rblog")
     assert imported.entries == {"engines": 1}
+
+
+def test_the_controller_creates_the_bus_epoch_every_role_reads_it_and_writers_record_degraded_writes(
+        acl_server: AclServer) -> None:
+    from rollout_bus.events.epoch import BusEpoch
+
+    keys = Keys("epoch")
+    executor = BusEpoch(acl_server.client("executor"), keys)
+    assert executor.join() is None  # not its to create (NOPERM is not an error): it adopts the first it sees
+    created = BusEpoch(acl_server.client("controller"), keys).join()
+    assert created
+    for role in ("executor", "trainer", "status"):
+        assert BusEpoch(acl_server.client(role), keys).join() == created
+    executor.check()
+    assert executor.value == created
+    for role in ("controller", "executor", "trainer"):  # a degraded durable write says so in the status hash
+        acl_server.client(role).hset(keys.durability_status, role, "{}")
+    assert set(bus_snapshot(acl_server.client("status"), keys).degraded) == {"controller", "executor", "trainer"}
