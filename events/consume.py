@@ -143,7 +143,7 @@ class Consumer:
         if ttl is not None and (self._heartbeat is None or not self._heartbeat.alive):
             period = ttl / 4
             name = f"{self.group}/{self.name}"
-            self._heartbeat = Heartbeat(self, self._send_beat, period, name).start(
+            self._heartbeat = Heartbeat(self, Consumer._send_beat, period, name).start(
                 heartbeat_guard(self.client, name, period))
 
     def _create(self, c: redis.Redis, lost: bool) -> None:
@@ -181,8 +181,8 @@ class Consumer:
                   "from the stream meanwhile and are not delivered")
         log.error("%s (noted on %s)", reason, self.keys.dead_letters)
         GROUP_GAPS.labels(self.stream, self.group).inc()
-        c.xadd(self.keys.dead_letters,  # type: ignore[arg-type]
-               dead_letter_fields(self.stream, self.group, self.name, after, {}, reason, 0))
+        note = dead_letter_fields(self.stream, self.group, self.name, after, {}, reason, 0)
+        c.xadd(self.keys.dead_letters, note)  # type: ignore[arg-type]
 
     def beat(self) -> None:
         """Tell the janitor this group still has a live consumer (at most every quarter of ``group_ttl_s``)."""

@@ -61,13 +61,14 @@ def earliest(*ids: str | None) -> str | None:
 # --- heartbeat -----------------------------------------------------------------------------------
 
 class Heartbeat:
-    """Beats for one group every ``period_s`` from a daemon thread while ``owner`` lives and until ``stop``.
+    """Calls ``beat(owner, guard)`` every ``period_s`` from a daemon thread while ``owner`` lives and until
+    ``stop``.
 
-    The thread holds the owner weakly: a consumer dropped without ``close`` stops beating, so its group
-    can lapse as before.
+    The thread holds the owner weakly (``beat`` must not be a bound method of it): a consumer dropped
+    without ``close`` stops beating, so its group can lapse as before.
     """
 
-    def __init__(self, owner: object, beat: Callable[[Guard], None], period_s: float, name: str) -> None:
+    def __init__(self, owner: Any, beat: Callable[[Any, Guard], None], period_s: float, name: str) -> None:
         self._stop = threading.Event()
         self._guard: Guard | None = None
         self.beats = 0
@@ -89,17 +90,20 @@ class Heartbeat:
         return self._thread.is_alive()
 
 
-def _beat_loop(ref: weakref.ref[object], hb: Heartbeat, beat: Callable[[Guard], None], period_s: float,
+def _beat_loop(ref: weakref.ref[Any], hb: Heartbeat, beat: Callable[[Any, Guard], None], period_s: float,
                name: str) -> None:
     while not hb._stop.wait(period_s):
-        if ref() is None or hb._guard is None:
+        owner = ref()
+        if owner is None or hb._guard is None:
             return
         try:
-            beat(hb._guard)
+            beat(owner, hb._guard)
             hb.beats += 1
         except BusError as exc:  # the next beat tries again; the TTL allows four misses
             hb.failures += 1
             log.warning("heartbeat %s: %s", name, exc)
+        finally:
+            del owner
 
 
 def heartbeat_guard(client: redis.Redis, name: str, period_s: float) -> Guard:

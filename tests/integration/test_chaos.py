@@ -260,3 +260,4 @@ def test_a_redis_restart_without_persistence_stops_the_run_with_that_reason_and_
         assert noticed - restarted_wall < 10, (role, noticed - restarted_wall)
     left = {name: pid for name, pid in engines.items() if pid and processes.alive(pid, cmdline_has="engine")}
     assert left == {}, f"engine processes left after the run stopped: {left}"
+    assert "still alive: SIGKILL" not in text, text[-2000:]  # the controller stopped them, not the launcher

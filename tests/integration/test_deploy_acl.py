@@ -449,3 +449,21 @@ def test_what_each_role_must_not_do_gets_noperm(acl_server: AclServer) -> None:
     _check_refused("status", status, {**forbidden(status, keys), "XADD anything": lambda: status.xadd(keys.engine_stream, {"e": 1})})
     refused_users = {e["username"] for e in acl_log(admin)}
     assert {"executor", "trainer", "controller", "status"} <= refused_users  # Redis logged each refusal
+
+
+def test_the_controller_creates_the_bus_epoch_every_role_reads_it_and_writers_record_degraded_writes(
+        acl_server: AclServer) -> None:
+    from rollout_bus.events.epoch import BusEpoch
+
+    keys = Keys("epoch")
+    executor = BusEpoch(acl_server.client("executor"), keys)
+    assert executor.join() is None  # not its to create (NOPERM is not an error): it adopts the first it sees
+    created = BusEpoch(acl_server.client("controller"), keys).join()
+    assert created
+    for role in ("executor", "trainer", "status"):
+        assert BusEpoch(acl_server.client(role), keys).join() == created
+    executor.check()
+    assert executor.value == created
+    for role in ("controller", "executor", "trainer"):  # a degraded durable write says so in the status hash
+        acl_server.client(role).hset(keys.durability_status, role, "{}")
+    assert set(bus_snapshot(acl_server.client("status"), keys).degraded) == {"controller", "executor", "trainer"}

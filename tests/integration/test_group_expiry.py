@@ -3,6 +3,7 @@ group's TTL whose group the janitor expired resumes without silent loss (entries
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from rollout_bus.events.consume import Consumer, ConsumerConfig
 from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.groups import parse_id
 from rollout_bus.events.janitor import Janitor, JanitorConfig
@@ -104,3 +106,41 @@ def test_a_consumer_paused_past_the_ttl_whose_group_expired_resumes_without_sile
     finally:
         stop(proc)
     assert "recreated after" in (tmp_path / "c0.log").read_text()
+
+
+def test_a_consumer_dropped_without_close_stops_beating(redis_client: redis.Redis, keys: Keys) -> None:
+    """The heartbeat thread holds its consumer weakly: dropping the consumer ends it, so its group can lapse."""
+    consumer = Consumer(redis_client, keys, keys.weight_stream, "dropped", "c0",
+                        ConsumerConfig(block_ms=1, group_ttl_s=0.2))
+    consumer.ensure_group()
+    consumer.read()
+    heartbeat = consumer._heartbeat
+    assert heartbeat is not None and heartbeat.alive
+    del consumer
+    gc.collect()
+    wait_for("the heartbeat thread to end", lambda: not heartbeat.alive, 3)
+
+
+def test_a_restarted_consumer_whose_group_expired_resumes_where_the_janitor_found_it_not_at_the_tail(
+        redis_client: redis.Redis, keys: Keys) -> None:
+    """A process that left (closed), came back after its group expired, and starts with ``$``: it still gets
+    the entries published while its group was gone, from where the janitor recorded the group stood."""
+    stream = keys.weight_stream
+    cfg = ConsumerConfig(block_ms=1, group_ttl_s=0.2, start_id="$")
+    pub = Publisher(redis_client, keys, PRODUCER)
+    first = Consumer(redis_client, keys, stream, "trainer", "c0", cfg)
+    first.ensure_group()
+    b1 = pub.publish(stream, EngineReady(producer=PRODUCER, engine_id="b1", url="u"))
+    assert [m.id for m in first.read()] == [b1]
+    first.ack(b1)
+    first.close()
+    janitor = Janitor(redis_client, keys, pub, JanitorConfig(max_len=None))
+    expired: list[GroupExpired] = []
+    wait_for("the group to expire", lambda: bool(expired.extend(janitor.run_once().expired) or expired), 5, 0.05)
+    assert groups(redis_client, stream) == []
+    b2 = pub.publish(stream, EngineReady(producer=PRODUCER, engine_id="b2", url="u"))
+    again = Consumer(redis_client, keys, stream, "trainer", "c0", cfg)  # a new process: nothing in memory
+    again.ensure_group()
+    assert [m.id for m in again.read()] == [b2]
+    assert again.recreated == 1 and not redis_client.hexists(keys.expired_groups(stream), "trainer")
+    again.close()

@@ -102,3 +102,7 @@ def test_signals_during_the_stop_of_an_interrupted_run_leave_no_process_behind(t
     assert storm > 2, f"the run exited before more signals reached it ({storm}): nothing was tested\n{output}"
     # 130 or 143 from the run itself; -SIGTERM/-SIGINT when a signal lands as the interpreter exits
     assert run.returncode in (130, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGINT), output
+    # the run's private redis-server kept an append-only file in the run directory
+    aof = tmp_path / "out" / "redis" / "appendonlydir"
+    assert aof.is_dir() and any(p.name.endswith(".incr.aof") and p.stat().st_size > 0 for p in aof.iterdir()), \
+        list(aof.iterdir()) if aof.is_dir() else "no appendonlydir"

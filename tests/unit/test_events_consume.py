@@ -256,3 +256,25 @@ def test_stream_replies_of_both_protocols_and_both_field_shapes_become_entries_w
     assert stream_entries(resp2) == expected
     assert stream_entries({b"s": resp2[0][1], b"t": resp2[1][1]}) == expected
     assert stream_entries(None) == [] and stream_entries([]) == []
+
+
+def test_a_consumer_beats_from_its_own_thread_until_closed(fake_client: redis.Redis, keys: Keys) -> None:
+    """Its group stays registered while it is busy (no read at all), and lapses once it is closed."""
+    stream = keys.weight_stream
+    beats = keys.group_beats(stream)
+    consumer = Consumer(fake_client, keys, stream, "busy", "c0", ConsumerConfig(block_ms=1, group_ttl_s=0.2))
+    consumer.ensure_group()
+    first = fake_client.zscore(beats, "busy")
+    time.sleep(0.3)  # longer than the TTL, and not one read
+    assert fake_client.zscore(beats, "busy") > first  # type: ignore[operator]
+    assert fake_client.hget(keys.group_ttls(stream), "busy") == b"200"
+    heartbeat = consumer._heartbeat
+    assert heartbeat is not None and heartbeat.beats >= 2
+    consumer.close()
+    deadline = time.monotonic() + 3
+    while heartbeat.alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not heartbeat.alive
+    closed = fake_client.zscore(beats, "busy")
+    time.sleep(0.15)
+    assert fake_client.zscore(beats, "busy") == closed
