@@ -121,6 +121,8 @@ def test_the_config_runs_with_append_only_persistence(acl_server: AclServer) -> 
     assert admin.config_get("appendonly") == {"appendonly": "yes"}
     assert admin.config_get("appendfsync") == {"appendfsync": "everysec"}
     assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+    assert admin.config_get("protected-mode") == {"protected-mode": "yes"}
+    assert "nopass" not in admin.acl_getuser("default")["flags"]  # so protected mode lets only users with a password in
     with socket.create_connection(("127.0.0.1", acl_server.port), timeout=2) as sock:  # the default user is off
         sock.sendall(b"PING\r\n")
         assert sock.recv(64).startswith(b"-NOAUTH")
