@@ -268,6 +268,10 @@ def test_the_status_user_reads_everything_and_writes_nothing(acl_server: AclServ
 
 def test_the_acl_file_is_the_one_events_acl_derives() -> None:
     assert (ROOT / "deploy" / "users.acl").read_text() == acl.render()
+    users = {line.split()[1]: line for line in acl.render(POLICY, OTHER).splitlines()}
+    assert f"~rb:{{*}}:stream:batches:{OTHER} " in users[f"trainer-{OTHER}"]
+    assert f":batches:{POLICY} " not in users[f"trainer-{OTHER}"] and f"#${{TRAINER_{OTHER.upper()}_PASSWORD}}" in users[
+        f"trainer-{OTHER}"]
 
 
 def test_the_acl_file_needs_every_role_password_and_leaves_admin_off_without_one(tmp_path: Path) -> None:
