@@ -10,7 +10,7 @@ out=$2
 tmp="$out.tmp"
 : > "$tmp"
 while IFS= read -r line; do
-  var=$(printf '%s\n' "$line" | sed -n 's/.*#\${\([A-Z_]*\)}.*/\1/p')
+  var=$(printf '%s\n' "$line" | sed -n 's/.*#\${\([A-Z0-9_]*\)}.*/\1/p')
   if [ -n "$var" ]; then
     eval "value=\${$var:-}"
     eval "file=\${${var}_FILE:-}"

@@ -8,7 +8,7 @@ per command, in selectors, so that a command allowed on one key is not allowed o
 Lua scripts are called with ``EVALSHA`` on any key of the bus (``SCRIPTS``): Redis checks every
 command a script runs against the same user, so a script can do nothing its caller could not.
 
-``render()`` writes the ACL file; its passwords are ``#${VAR}`` placeholders that
+``render()`` writes the ACL file (``render("default", "p1")``: a trainer user per policy); its passwords are ``#${VAR}`` placeholders that
 ``deploy/render-acl.sh`` replaces with the SHA-256 of each password when Redis starts (a user
 whose optional password is not given is ``off``). ``python -m rollout_bus.events.acl`` prints it.
 
@@ -24,6 +24,7 @@ What Redis ACLs cannot express, and is therefore not prevented here:
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ _NS = "NS"
 _ANY = "ANY"
 _K = Keys(_NS)
 TRAINER_POLICY = "default"
-"""The policy of the ``trainer`` user (compose's trainer); ``render(trainer_policy=...)`` for another."""
+"""The policy of the ``trainer`` user (compose's trainer)."""
 
 
 def _pattern(key: str) -> str:
@@ -133,9 +134,13 @@ def executor() -> Role:
 
 
 def trainer(policy: str = TRAINER_POLICY) -> Role:
+    """The trainer user of ``policy``: ``trainer`` (``$TRAINER_PASSWORD``) for compose's, else ``trainer-<policy>``
+    (``$TRAINER_<POLICY>_PASSWORD``, optional: the user is off without it)."""
     k = _K
     batches = k.batch_stream(policy)
-    return Role("trainer" if policy == TRAINER_POLICY else f"trainer-{policy}", "TRAINER_PASSWORD", (
+    own = policy == TRAINER_POLICY
+    var = "TRAINER_PASSWORD" if own else f"TRAINER_{re.sub('[^A-Z0-9]', '_', policy.upper())}_PASSWORD"
+    return Role("trainer" if own else f"trainer-{policy}", var, (
         *_publisher((k.weight_stream, k.trainer_stream, k.rollout_stream, k.dead_letters),
                     (_pattern(k.dedupe(k.weight_stream, f"weights.{policy}.{_ANY}")), _stream_any(k.trainer_stream),
                      _stream_any(k.rollout_stream)),
@@ -173,15 +178,16 @@ def _user(role: Role) -> str:
     return " ".join(p for p in parts if p)
 
 
-def render(trainer_policy: str = TRAINER_POLICY) -> str:
-    """The ACL file (``deploy/users.acl``), its passwords as ``#${VAR}`` placeholders."""
+def render(*trainer_policies: str) -> str:
+    """The ACL file (``deploy/users.acl``), its passwords as ``#${VAR}`` placeholders; one trainer user per
+    policy in ``trainer_policies`` (default: compose's)."""
     lines = ["user default off resetpass resetkeys resetchannels -@all",
              "user admin on #${ADMIN_PASSWORD} ~* &* +@all",
              "user replication on #${REPLICATION_PASSWORD} resetkeys resetchannels -@all +psync +replconf +ping",
              "user sentinel on #${SENTINEL_PASSWORD} resetkeys &__sentinel__:hello -@all +multi +slaveof +ping "
              "+exec +subscribe +config|rewrite +role +publish +info +client|setname +client|kill +script|kill"]
     lines += [_user(role()) for role in (controller, executor, status)]
-    lines.append(_user(trainer(trainer_policy)))
+    lines += [_user(trainer(policy)) for policy in (trainer_policies or (TRAINER_POLICY,))]
     return "\n".join(lines) + "\n"
 
 
@@ -190,4 +196,4 @@ OPTIONAL_PASSWORDS = ("ADMIN_PASSWORD", "REPLICATION_PASSWORD", "SENTINEL_PASSWO
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render(*sys.argv[1:2]))
+    sys.stdout.write(render(*sys.argv[1:]))

@@ -15,7 +15,7 @@ stranded since the first attempt and be put back on the queue while that worker 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
@@ -23,9 +23,6 @@ from rq.queue import Queue
 
 from rollout_bus.events.submit import FAILURE_CALLBACK, JOB_FUNC
 from rollout_bus.executor.errors import ForbiddenJob
-
-if TYPE_CHECKING:
-    from redis.client import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +75,6 @@ class RolloutJob(Job):
             return None
         return super().failure_callback
 
-    def retry(self, queue: Queue, pipeline: Pipeline) -> None:
+    def retry(self, queue: Queue, pipeline: Any) -> None:
         pipeline.delete(first_seen_key(queue.key, self.id))
         super().retry(queue, pipeline)

@@ -39,10 +39,13 @@ from rollout_bus.events.metrics import bus_snapshot
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
+from rollout_bus.events.rollouts import RolloutRequest
+from rollout_bus.events.submit import RolloutSubmitter, SubmitConfig
 from rollout_bus.replay.exporter import export_log
 from rollout_bus.replay.importer import import_log
 from rollout_bus.replay.payloads import payload_store
 from rollout_bus.trainer.lease import PolicyLease
+from tests.support.procs import wait_for
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +124,8 @@ def test_the_config_runs_with_append_only_persistence(acl_server: AclServer) -> 
     assert admin.config_get("appendonly") == {"appendonly": "yes"}
     assert admin.config_get("appendfsync") == {"appendfsync": "everysec"}
     assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+    assert admin.config_get("protected-mode") == {"protected-mode": "yes"}
+    assert "nopass" not in admin.acl_getuser("default")["flags"]  # so protected mode lets only users with a password in
     with socket.create_connection(("127.0.0.1", acl_server.port), timeout=2) as sock:  # the default user is off
         sock.sendall(b"PING\r\n")
         assert sock.recv(64).startswith(b"-NOAUTH")
@@ -263,6 +268,10 @@ def test_the_status_user_reads_everything_and_writes_nothing(acl_server: AclServ
 
 def test_the_acl_file_is_the_one_events_acl_derives() -> None:
     assert (ROOT / "deploy" / "users.acl").read_text() == acl.render()
+    users = {line.split()[1]: line for line in acl.render(POLICY, OTHER).splitlines()}
+    assert f"~rb:{{*}}:stream:batches:{OTHER} " in users[f"trainer-{OTHER}"]
+    assert f":batches:{POLICY} " not in users[f"trainer-{OTHER}"] and f"#${{TRAINER_{OTHER.upper()}_PASSWORD}}" in users[
+        f"trainer-{OTHER}"]
 
 
 def test_the_acl_file_needs_every_role_password_and_leaves_admin_off_without_one(tmp_path: Path) -> None:
@@ -315,7 +324,24 @@ def test_each_role_runs_as_its_own_user_with_nothing_refused(acl_server: AclServ
             "--trainer-id", "trainer-0", "--mode", "async", "--in-flight", "2", "--steps", "3", "--model-path",
             str(init), "--weights-root", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--n-groups", "4", "--n-samples", "4", "--log-dir", str(tmp_path / "metrics")])
+        wait_for("the trainer's group", lambda: admin.exists(batches) and "trainer-0" in {
+            g["name"].decode() for g in admin.xinfo_groups(batches)}, 120)
+        admin.xadd(batches, {b"e": b"garbage"})  # the trainer dead-letters it
         assert trainer.proc.wait(240) == 0, trainer.tail(40)
+        admin.xadd(keys.weight_stream, {b"e": b"garbage"})  # the controller dead-letters it
+        doomed = RolloutRequest.create("ghost", 0, 1, 1, timeout_s=60)  # unknown to the executor: it fails the job
+        RolloutSubmitter(acl_server.client("trainer"), keys, SubmitConfig(known_policies=("ghost",))).submit(doomed)
+
+        def failure_paths() -> tuple[set[str], bool]:
+            dead = {f[b"group"].decode() for _, f in admin.xrange(keys.dead_letters)}
+            failed = [e for _, f in admin.xrange(keys.rollout_stream) if isinstance(e := s.decode(f), s.RolloutFailed)]
+            return dead, any(e.request_id == doomed.request_id for e in failed)
+        try:
+            wait_for("the failure paths", lambda: failure_paths() == ({"controller", "trainer-0"}, True), 60)
+        except TimeoutError:
+            raise AssertionError(f"dead letters by group, request failed: {failure_paths()}") from None
+        trimmed = [e for _, f in admin.xrange(keys.housekeeping_stream) if isinstance(e := s.decode(f), s.StreamsTrimmed)]
+        assert trimmed  # the janitor trimmed streams as the controller user
         steps = [e for e in (s.decode(f) for _, f in page(admin, keys.trainer_stream)) if isinstance(e, s.TrainStepDone)]
         assert max(e.step for e in steps) == 3
         served = Registry(admin, keys).policies()[POLICY]

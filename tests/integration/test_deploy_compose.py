@@ -11,41 +11,61 @@ import os
 import re
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 
 yaml = pytest.importorskip("yaml")
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = {"controller": 9101, "executor": None, "trainer": 9103, "bus-metrics": 9100}
-_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+SECRETS = {"CONTROLLER_PASSWORD": "c-secret", "EXECUTOR_PASSWORD": "e-secret", "TRAINER_PASSWORD": "t-secret",
+           "STATUS_PASSWORD": "s-secret", "ENGINE_API_KEY": "engine-key", "GRAFANA_ADMIN_PASSWORD": "g-secret"}
+"""What a deployer must set: compose refuses to start without any of them."""
+_VAR = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 
 
-def compose() -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+class MissingVariable(ValueError):
+    pass
 
 
-def resolve(value: str) -> str:
-    """Compose's ``${VAR:-default}`` with the defaults (the environment is the deployer's, not ours)."""
-    return _VAR.sub(lambda m: m.group(2) or "", value)
+def resolve(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's interpolation: ``${VAR:-default}``, ``${VAR:?message}`` (an error when unset or empty) and
+    ``$$`` (a literal ``$``), over ``env`` (default: the secrets a deployer sets)."""
+    env = SECRETS if env is None else env
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        value = env.get(name, "")
+        if op == ":?" and not value:
+            raise MissingVariable(f"{name}: {arg}")
+        return value or (arg if op == ":-" else "")
+    return _VAR.sub(one, value)
+
+
+def resolved(node: Any, env: dict[str, str] | None = None) -> Any:
+    """The whole compose file, interpolated as ``docker compose config`` does."""
+    if isinstance(node, dict):
+        return {k: resolved(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [resolved(v, env) for v in node]
+    return resolve(node, env) if isinstance(node, str) else node
+
+
+def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    return resolved(yaml.safe_load((ROOT / "compose.yaml").read_text()), env)
 
 
 def command(service: dict[str, Any]) -> list[str]:
-    return [resolve(str(a)) for a in service["command"]]
-
-
-def acl_users() -> dict[str, str]:
-    users = {}
-    for line in (ROOT / "deploy" / "users.acl").read_text().splitlines():
-        parts = line.split()
-        secret = next((p[1:] for p in parts if p.startswith("#")), "")
-        users[parts[1]] = secret
-    return users
+    return [str(a) for a in service["command"]]
 
 
 def test_compose_has_every_service_built_from_one_image() -> None:
@@ -63,24 +83,114 @@ def test_the_executor_scales_no_fixed_name_host_ports_or_hostname() -> None:
     assert not {"container_name", "ports", "hostname"} & set(executor)
 
 
-def test_redis_persists_with_aof_everysec_and_loads_the_acl_file_compose_mounts() -> None:
+def test_redis_persists_with_aof_everysec_and_loads_the_acl_file_it_renders_from_the_template() -> None:
     redis_svc = compose()["services"]["redis"]
     conf = (ROOT / "deploy" / "redis.conf").read_text()
     settings = dict(line.split(None, 1) for line in conf.splitlines() if line.strip() and not line.startswith("#"))
     assert settings["appendonly"] == "yes" and settings["appendfsync"] == "everysec"
+    assert settings["protected-mode"] == "yes"
     mounts = {v.split(":")[1]: v.split(":")[0] for v in redis_svc["volumes"] if v.startswith("./")}
-    assert mounts[settings["aclfile"]] == "./deploy/users.acl"
-    assert mounts[redis_svc["command"][1]] == "./deploy/redis.conf"
+    script = redis_svc["command"][2]
+    render = re.search(r"sh (\S+) (\S+) (\S+)", script)
+    assert render is not None
+    assert mounts[render.group(1)] == "./deploy/render-acl.sh" and mounts[render.group(2)] == "./deploy/users.acl"
+    assert render.group(3) == settings["aclfile"]
+    assert mounts[re.search(r"redis-server (\S+)", script).group(1)] == "./deploy/redis.conf"  # type: ignore[union-attr]
 
 
-def test_each_role_connects_as_its_own_acl_user_with_the_default_password() -> None:
-    users = acl_users()
-    assert users["default"] == "" and "off" in (ROOT / "deploy" / "users.acl").read_text().splitlines()[0]
+def test_each_role_connects_as_its_own_acl_user_with_the_password_it_is_given(tmp_path: Path) -> None:
+    services = compose()["services"]
+    env = {k: v for k, v in services["redis"]["environment"].items() if v}
+    done = subprocess.run(["sh", str(ROOT / "deploy" / "render-acl.sh"), str(ROOT / "deploy" / "users.acl"),
+                           str(tmp_path / "users.acl")], env={"PATH": os.environ["PATH"], **env},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    users = {}
+    for line in (tmp_path / "users.acl").read_text().splitlines():
+        parts = line.split()
+        users[parts[1]] = next((p[1:] for p in parts if p.startswith("#")), "")
+    assert users["default"] == "" and users["admin"] == ""  # off: no ADMIN_PASSWORD given
     for name, expected_user in (("controller", "controller"), ("executor", "executor"), ("trainer", "trainer"),
                                 ("bus-metrics", "status")):
-        url = urlsplit(resolve(compose()["services"][name]["environment"]["REDIS_URL"]))
+        url = urlsplit(services[name]["environment"]["REDIS_URL"])
         assert url.username == expected_user
+        assert url.password == SECRETS[f"{expected_user.upper()}_PASSWORD"]
         assert hashlib.sha256((url.password or "").encode()).hexdigest() == users[expected_user]
+
+
+def test_compose_refuses_to_start_without_each_password_and_the_engine_api_key() -> None:
+    for name in SECRETS:
+        with pytest.raises(MissingVariable, match=name):
+            compose({k: v for k, v in SECRETS.items() if k != name})
+    assert "dev-password" not in (ROOT / "compose.yaml").read_text()
+
+
+def test_engines_get_the_api_key_and_only_the_trainer_writes_published_weights() -> None:
+    services = compose()["services"]
+    for name in ("controller", "executor"):
+        assert services[name]["environment"]["ROLLOUT_BUS_ENGINE_API_KEY"] == SECRETS["ENGINE_API_KEY"]
+
+    def writable(name: str) -> set[str]:
+        return {v.split(":")[1] for v in services[name].get("volumes", []) if not v.endswith(":ro")}
+    assert writable("executor") == set() and writable("bus-metrics") == set()
+    assert writable("controller") == {"/shared/engine-logs"}
+    assert writable("trainer") == {"/shared/weights", "/shared/checkpoints", "/shared/runs"}
+    assert writable("init-model") == {"/shared/model"}
+    args = command(services["controller"])
+    assert args[args.index("--weights-root") + 1] == "/shared/weights"
+
+
+def test_the_sentinel_profile_runs_two_replicas_and_no_service_uses_the_admin_user() -> None:
+    services = compose({**SECRETS, "REPLICATION_PASSWORD": "r", "SENTINEL_PASSWORD": "x"})["services"]
+    replicas = [n for n, svc in services.items() if "--replicaof" in " ".join(map(str, svc.get("command", [])))]
+    assert len(replicas) == 2 and all(services[n]["profiles"] == ["sentinel"] for n in replicas)
+    for name in replicas:
+        assert "--masteruser replication" in services[name]["command"][2]
+    assert "sentinel auth-user mymaster sentinel" in services["sentinel-1"]["command"][0]
+    text = yaml.safe_dump(services)
+    assert "admin" not in re.sub(r"GF_SECURITY_ADMIN_PASSWORD|GRAFANA_ADMIN_PASSWORD", "", text).replace(
+        "--disable-delete", "")
+
+
+def test_redis_starts_from_the_compose_command_with_the_rendered_acl_and_answers_its_healthcheck(
+        tmp_path: Path) -> None:
+    from rollout_bus.events.embedded import find_redis_server, free_port
+
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    services = compose()["services"]
+    redis_svc = services["redis"]
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    for volume in redis_svc["volumes"]:
+        if volume.startswith("./"):
+            source, target = volume.split(":")[:2]
+            (etc / Path(target).name).symlink_to(ROOT / source)
+    port = free_port()
+    script = (redis_svc["command"][2].replace("/usr/local/etc/redis/", f"{etc}/")
+              .replace("/tmp/users.acl", f"{tmp_path}/users.acl").replace("chown redis", "true")
+              .replace("exec docker-entrypoint.sh redis-server", f"exec {binary}"))
+    script += f" --aclfile {tmp_path}/users.acl --port {port} --bind 127.0.0.1 --dir {tmp_path} --daemonize no"
+    env = {"PATH": os.environ["PATH"], **{k: v for k, v in redis_svc["environment"].items() if v}}
+    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        health = redis_svc["healthcheck"]["test"][1].replace("redis-cli", f"redis-cli -p {port}")
+        deadline = time.monotonic() + 20
+        while subprocess.run(["sh", "-c", health], env=env, capture_output=True).returncode != 0:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the healthcheck never passed"
+            time.sleep(0.1)
+        client = redis.Redis(port=port, username="status", password=SECRETS["STATUS_PASSWORD"])
+        assert client.ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, username="admin", password="").ping()  # off without ADMIN_PASSWORD
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, username="controller", password="controller-dev-password").ping()
+        assert redis.Redis(port=port, username="controller", password=SECRETS["CONTROLLER_PASSWORD"]).ping()
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_prometheus_scrapes_the_metrics_ports_compose_serves() -> None:
