@@ -107,6 +107,10 @@ class ControllerConfig:
     pause_mode: str = "retract"
     update_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
+    weights_missing_wait_s: float = 20.0
+    """How long a publication whose directory this host does not see yet (a shared mount late to show it)
+    is checked again, with backoff (0.25 s doubling up to 4 s), before its refusal is final; 0: at once.
+    Shorter than a trainer's serving timeout (60 s), so a final refusal still reaches it in time."""
     # --- coordination and observability ------------------------------------------------
     lease_ttl_s: float = 10.0
     metrics_port: int | None = None
@@ -202,7 +206,7 @@ class ControllerConfig:
                      "request_timeout_s", "lease_ttl_s", "payload_max_age_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("janitor_interval_s", "retention_max_len", "retention_max_age_s"):
+        for name in ("janitor_interval_s", "retention_max_len", "retention_max_age_s", "weights_missing_wait_s"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.health_failure_threshold < 1:

@@ -8,7 +8,8 @@ controller serves that policy as an adapter on the base pool). ``manifest.json``
 file's size and sha256; the event's ``sha256`` is the manifest's. The directory is written
 under a temporary name and renamed, so a partial version is never visible. The event's
 idempotency key is ``weights.<policy>.<version>``, so publishing a version again after a
-restart never adds a second event. ``wait_serving`` then waits until the controller
+restart never adds a second event, unless the controller refused it for good (it then drops the key,
+and the version may be announced again once the cause is fixed). ``wait_serving`` then waits until the controller
 announces ``WeightVersionServing`` for that version or a newer one (or the registry says
 so), up to a timeout.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_bus.events.connection import Guard, Redis
-from rollout_bus.events.names import Keys
+from rollout_bus.events.names import Keys, publication_key
 from rollout_bus.events.paging import stream_entries
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import Registry
@@ -106,7 +107,7 @@ class WeightPublisher:
         """Write version ``version`` with ``fill(tmp)`` (any layout of ``lm.files``), atomically, with its
         manifest; return the directory and the manifest's sha256. Saving a version again replaces it."""
         directory = version_dir(self.root, self.policy, version)
-        digest = write_weights_dir(directory, fill, replace=True)
+        digest = write_weights_dir(directory, fill, replace=True, policy=self.policy, version=version)
         self._saved = (version, digest)
         return directory, digest
 
@@ -130,7 +131,7 @@ class WeightPublisher:
         event = WeightsPublished(producer=self.publisher.producer, policy=self.policy, version=version,
                                  uri=uri, sha256=digest)
         entry_id = self.publisher.publish(self.keys.weight_stream, event,
-                                          idempotency_key=f"weights.{self.policy}.{version}", durable=True)
+                                          idempotency_key=publication_key(self.policy, version), durable=True)
         log.debug("published %s v%d (%s)", self.policy, version, entry_id)
         self._published.append(version)
         self._prune()
