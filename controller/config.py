@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from rollout_bus.events.errors import InvalidRequest
-from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name
+from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name, name_problem
 
 BackendName = Literal["cpu", "sglang"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -219,8 +219,9 @@ class ControllerConfig:
             problems.append(f"initial_version must be >= 0, got {self.initial_version}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"metrics_port must be in 0..65535, got {self.metrics_port}")
-        if not self.instance:
-            problems.append("instance must not be empty")
+        instance = name_problem("instance", self.instance, host=True)  # it names the controller's events' producer
+        if instance is not None:
+            problems.append(instance)
         if problems:
             raise ConfigError("invalid controller config:\n  - " + "\n  - ".join(problems))
         return self

@@ -18,7 +18,7 @@ def test_a_request_round_trips_through_json() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"policy": "bad policy"}, "policy 'bad policy' must be"),
+    ({"policy": "bad policy"}, "policy 'bad policy': character ' ' at position 4 is not allowed"),
     ({"n_groups": 0}, "n_groups must be a positive integer"),
     ({"n_samples_per_group": True}, "n_samples_per_group must be a positive integer"),
     ({"rollout_id": -1}, "rollout_id must be a non-negative integer"),

@@ -223,7 +223,7 @@ def test_groups_are_recreated_at_their_first_unacknowledged_entry(
 
 def test_logical_names_map_to_keys_and_back() -> None:
     keys = Keys("ns1")
-    for logical in ("engines", "weights", "commands", "rollouts", "trainers", "dead-letters", "batches/p-0.x"):
+    for logical in ("engines", "weights", "commands", "rollouts", "trainers", "dead-letters", "batches/p-0_x"):
         assert logical_stream(keys, stream_key(keys, logical)) == logical
     with pytest.raises(ValueError):
         logical_stream(keys, Keys("ns2").engine_stream)
