@@ -119,7 +119,8 @@ class WeightUpdater:
     # --- intake ------------------------------------------------------------------------------
     async def submit(self, event: WeightsPublished, entry_id: str | None = None, *,
                      first_seen: float | None = None) -> str | None:
-        """Take a publication; returns the reason it was refused, None when it became the target.
+        """Take a publication; returns the reason it was refused, None when it became the target (or is
+        looked for again).
 
         A directory this host does not see yet is looked for again, with backoff, for up to
         ``weights_missing_wait_s`` (the entry stays unacknowledged meanwhile): a shared mount may be late.
