@@ -35,7 +35,7 @@ from typing import TypeVar
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
 from rollout_bus.events.errors import Fenced, RedisCommandError
-from rollout_bus.events.names import Keys
+from rollout_bus.events.names import Keys, publication_key
 from rollout_bus.events.paging import page
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import EngineRecord, PolicyRecord, Registry, fenced_error
@@ -109,6 +109,11 @@ class ControllerBus:
 
     async def remove_engine(self, engine_id: str) -> None:
         await self.call(lambda: self.registry.remove_engine(engine_id))
+
+    async def forget_publication(self, policy: str, version: int) -> None:
+        """A refused version may be announced again: its publisher's dedupe key goes (before the refusal is
+        published, so a trainer reacting to it is not deduplicated)."""
+        await self.call(lambda: self.publisher.forget(self.keys.weight_stream, publication_key(policy, version)))
 
     # --- reads ----------------------------------------------------------------------------
     async def read_weights(self) -> list[Message]:

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pause-mode", choices=PAUSE_MODES, default=d.pause_mode)
     p.add_argument("--update-timeout-s", type=float, default=d.update_timeout_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
+    p.add_argument("--weights-missing-wait-s", type=float, default=d.weights_missing_wait_s,
+                   help="how long a published directory not visible here yet is looked for again, with backoff, "
+                        "before it is refused (a shared mount late to show it); 0: refused at once")
     p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on this port (0: any free one; default: off)")

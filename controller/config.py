@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from rollout_bus.events.errors import InvalidRequest
-from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name
+from rollout_bus.events.names import DEFAULT_NAMESPACE, check_name, name_problem
 
 BackendName = Literal["cpu", "sglang"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -107,6 +107,10 @@ class ControllerConfig:
     pause_mode: str = "retract"
     update_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
+    weights_missing_wait_s: float = 20.0
+    """How long a publication whose directory this host does not see yet (a shared mount late to show it)
+    is checked again, with backoff (0.25 s doubling up to 4 s), before its refusal is final; 0: at once.
+    Shorter than a trainer's serving timeout (60 s), so a final refusal still reaches it in time."""
     # --- coordination and observability ------------------------------------------------
     lease_ttl_s: float = 10.0
     metrics_port: int | None = None
@@ -202,7 +206,7 @@ class ControllerConfig:
                      "request_timeout_s", "lease_ttl_s", "payload_max_age_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("janitor_interval_s", "retention_max_len", "retention_max_age_s"):
+        for name in ("janitor_interval_s", "retention_max_len", "retention_max_age_s", "weights_missing_wait_s"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.health_failure_threshold < 1:
@@ -215,8 +219,9 @@ class ControllerConfig:
             problems.append(f"initial_version must be >= 0, got {self.initial_version}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"metrics_port must be in 0..65535, got {self.metrics_port}")
-        if not self.instance:
-            problems.append("instance must not be empty")
+        instance = name_problem("instance", self.instance, host=True)  # it names the controller's events' producer
+        if instance is not None:
+            problems.append(instance)
         if problems:
             raise ConfigError("invalid controller config:\n  - " + "\n  - ".join(problems))
         return self

@@ -43,8 +43,11 @@ S = EngineState
 
 
 def adopted_engine_id(url: str) -> str:
+    """``adopted-<host>-<port>``, the host's dots and colons as '-': an engine id is a name (``events.names``)."""
     parts = urlsplit(url)
-    return f"adopted-{parts.hostname}-{parts.port}"
+    host = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_-") else "-" for ch in parts.hostname or "")
+    tail = f"-{parts.port}"
+    return f"adopted-{host[:64 - len('adopted') - len(tail)]}{tail}"
 
 
 def launch_spec(cfg: ControllerConfig, engine_id: str, port: int,

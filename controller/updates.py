@@ -29,8 +29,9 @@ records that name weights, and re-reads its own unacknowledged ``WeightsPublishe
 entries: an entry is acknowledged only once its update settled.
 
 Per-engine outcomes: ``applied``; ``rejected`` (the engine answered 4xx and kept its
-old weights); ``failed`` (no answer, 5xx, timeout: the engine leaves the serving set
-through the unhealthy -> restart path). If every engine rejects a version and none
+old weights, or answered 5xx to an adapter load and still generates on its base weights: the
+version is refused, not the engine); ``failed`` (no answer, any other 5xx, timeout: the engine
+leaves the serving set through the unhealthy -> restart path). If every engine rejects a version and none
 runs it, the target rolls back to the last good one and engines stay as they were; if
 some took it, the ones that refused leave the serving set rather than serve old
 weights unannounced.
@@ -75,6 +76,10 @@ class EngineOutcome:
     duration_s: float = 0.0
 
 
+MISSING_FIRST_DELAY_S = 0.25
+MISSING_MAX_DELAY_S = 4.0
+"""Backoff between looks at a published directory not visible yet (see ``weights_missing_wait_s``)."""
+
 ADAPTER_RETIRE_DELAY_S = 1.0
 """How long an old adapter name stays loaded after the registry names the new one (executors re-read
 the registry every 0.5 s; one that still sends the old name after this retries on a 400)."""
@@ -112,8 +117,14 @@ class WeightUpdater:
             log.warning("no reference shapes from %s: %s", self.core.config.model_path, exc.reason)
 
     # --- intake ------------------------------------------------------------------------------
-    async def submit(self, event: WeightsPublished, entry_id: str | None = None) -> str | None:
-        """Take a publication; returns the reason it was refused, None when it became the target."""
+    async def submit(self, event: WeightsPublished, entry_id: str | None = None, *,
+                     first_seen: float | None = None) -> str | None:
+        """Take a publication; returns the reason it was refused, None when it became the target (or is
+        looked for again).
+
+        A directory this host does not see yet is looked for again, with backoff, for up to
+        ``weights_missing_wait_s`` (the entry stays unacknowledged meanwhile): a shared mount may be late.
+        Any refusal made here is final, and lets the version be announced again."""
         book = self.core.book
         reason = book.stale_reason(event.policy, event.version)
         current = book.target(event.policy)
@@ -130,6 +141,8 @@ class WeightUpdater:
                 self.check_servable(target)
             except BadWeights as exc:
                 reason = exc.reason
+                if exc.transient and self._look_again(event, entry_id, first_seen, reason):
+                    return None
                 log.warning("refusing weights %s v%d: %s", event.policy, event.version, reason)
                 await self._refuse(event, reason, per_engine=True)
             else:
@@ -142,6 +155,25 @@ class WeightUpdater:
         if entry_id is not None:
             await self._ack(entry_id)
         return reason
+
+    def _look_again(self, event: WeightsPublished, entry_id: str | None, first_seen: float | None,
+                    reason: str) -> bool:
+        """Submit ``event`` again after a backoff (0.25 s doubling, at most 4 s) while it has waited less than
+        ``weights_missing_wait_s``; False when its time is up."""
+        now = time.monotonic()
+        first = now if first_seen is None else first_seen
+        waited, limit = now - first, self.core.config.weights_missing_wait_s
+        if waited >= limit:
+            return False
+        delay = min(MISSING_MAX_DELAY_S, max(MISSING_FIRST_DELAY_S, waited), limit - waited)
+        log.info("weights %s v%d not visible yet (%s); looking again in %.2fs (waited %.1fs of %.1fs)",
+                 event.policy, event.version, reason, delay, waited, limit)
+
+        async def again() -> None:
+            await asyncio.sleep(delay)
+            await self.submit(event, entry_id, first_seen=first)
+        self.core.spawn(again(), f"weights-{event.policy}-v{event.version}-again")
+        return True
 
     def check_servable(self, target: Target) -> None:
         """``BadWeights`` when no engine pool can serve ``target`` as published."""
@@ -161,6 +193,7 @@ class WeightUpdater:
 
     async def _refuse(self, event: WeightsPublished, reason: str, per_engine: bool) -> None:
         self.core.metrics.weight_update_failures.labels(event.policy, "refused").inc()
+        await self.core.bus.forget_publication(event.policy, event.version)
         engines = self.core.serving_members(event.policy) if per_engine else []
         for h in engines:
             await self.core.bus.weights_event(self.core.event(
@@ -331,14 +364,30 @@ class WeightUpdater:
         return status, reason
 
     async def _load_adapter(self, h: EngineHandle, target: Target) -> tuple[Status, str]:
+        """Load the target's adapter. A 4xx is a refusal of this version; so is a 5xx from an engine that still
+        generates on its base weights right after (the adapter broke, not the engine, which a restart would
+        not mend: it would load the same adapter again). No reply, or no generation after, is a failure."""
         name = adapter_name(target.policy, target.version)
         try:
             await h.client.load_lora_adapter(name, target.engine_path, timeout_s=self.core.config.update_timeout_s)
         except EngineHTTPError as exc:
             if exc.rejected and "already loaded" in exc.message:
                 return "applied", ""  # loaded before a controller change: the name pins the version
-            return ("rejected" if exc.rejected else "failed"), exc.message
+            if exc.rejected:
+                return "rejected", exc.message
+            if not exc.transport and not exc.timed_out and await self._still_generates(h):
+                return "rejected", (f"HTTP {exc.status} loading adapter {name} ({exc.message}); the engine still "
+                                    "generates on its base weights")
+            return "failed", exc.message
         return "applied", ""
+
+    async def _still_generates(self, h: EngineHandle) -> bool:
+        try:
+            await h.client.health_generate(timeout_s=self.core.config.health_timeout_s)
+        except EngineHTTPError as exc:
+            log.warning("engine %s does not generate after a failed adapter load: %s", h.engine_id, exc.message)
+            return False
+        return True
 
     async def _retire_adapter(self, h: EngineHandle, name: str) -> None:
         """Unload an adapter name the registry no longer gives out (SGLang finishes its requests first)."""
@@ -360,9 +409,27 @@ class WeightUpdater:
                 return None
             for target in behind:
                 outcome = await self.push(h, target, pause=False)
-                if outcome.status != "applied":
+                if outcome.status == "rejected" and not self._vouched(target):
+                    await self._give_up(target, f"engine {h.engine_id} refused it: {outcome.reason}")
+                elif outcome.status != "applied":
                     return outcome
         return EngineOutcome(h.engine_id, "failed", "targets kept changing while catching up")
+
+    def _vouched(self, target: Target) -> bool:
+        """Whether engines ran ``target`` (or run it now): then one that refuses it is the problem, not the version."""
+        return self.core.book.good(target.policy) == target or any(
+            h.record.versions.get(target.policy) == target.version for h in self.core.serving_members(target.policy))
+
+    async def _give_up(self, target: Target, reason: str) -> None:
+        """Refuse a version no engine ever ran that an engine coming up refused: the engine serves without it
+        (relaunching it would only load the same version again). As after every engine refused it in a round,
+        the version stays accepted: a newer one must follow."""
+        good = self.core.book.rollback(target.policy, target.version)
+        log.warning("%s v%d refused (%s); back to %s", target.policy, target.version, reason,
+                    f"v{good.version}" if good else "the launch weights")
+        await self._record_target(target.policy)
+        await self.core.bus.weights_event(self.core.event(
+            WeightUpdateFailed, policy=target.policy, version=target.version, engine_id="", reason=reason))
 
     # --- announcing ------------------------------------------------------------------------------
     async def announce(self, policy: str) -> None:

@@ -3,12 +3,17 @@
 A ``WeightsPublished`` uri is a version directory (a path, or a ``file://`` URL) in the format of
 ``lm.files``: full Hugging Face weights (one file, or shards with their index) or a PEFT LoRA
 adapter, with the manifest its publisher wrote; the published sha256 is the manifest's. It is
-refused when it resolves (symlinks included) outside the weights root, when the manifest does not
-hash to the published sha256, when a file is missing, unlisted or differs from the manifest (every
+refused when it resolves (symlinks included) outside the weights root or outside the folder of the
+event's policy (``<root>/<policy>/``), when the manifest does not hash to the published sha256, when
+the manifest names another policy or version than the event (or none: a format 1 manifest), when a
+file is missing, unlisted or differs from the manifest (every
 file hashed once here, in parallel: engines do not hash again), when a tensor holds NaN or
 infinity, when full weights' tensor names and shapes differ from the model the engines run, or when
 an adapter does not fit that model. Everything is read from file headers and raw bits: the
-controller needs no torch.
+controller needs no torch. Any other error reading the directory is a refusal too, with its reason.
+
+A directory that is not there yet is ``transient``: a shared mount may show it a moment later, so
+the caller tries again before the refusal is final.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from rollout_bus.lm.files import (
 
 
 class BadWeights(Failure):
-    """Published weights that must not reach an engine; ``reason`` says why."""
+    """Published weights that must not reach an engine; ``reason`` says why. ``transient``: the directory
+    is not visible (yet); the same publication may pass a moment later."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, transient: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.transient = transient
 
 
 def uri_path(uri: str) -> Path:
@@ -80,15 +87,36 @@ def verify(policy: str, version: int, uri: str, sha256: str, root: Path, referen
         resolved = raw.resolve(strict=True)
     except (FileNotFoundError, NotADirectoryError):
         raise BadWeights(f"weights directory missing on this host: {raw} (weights travel through a filesystem "
-                         "every host mounts at the same path: is the trainer's weights root mounted here?)") from None
+                         "every host mounts at the same path: is the trainer's weights root mounted here?)",
+                         transient=True) from None
     except OSError as exc:
         raise BadWeights(f"weights path unusable: {raw}: {exc}") from None
     if not resolved.is_relative_to(root):
         raise BadWeights(f"weights path {raw} resolves to {resolved}, outside the weights root {root}")
+    folder = resolved.relative_to(root).parts
+    if len(folder) < 2 or folder[0] != policy:
+        raise BadWeights(f"weights path {raw} resolves to {resolved}, outside {root / policy}: a policy publishes "
+                         "only under its own folder of the weights root")
     if not resolved.is_dir():
         raise BadWeights(f"weights path {raw} is not a directory: publish a version directory with its manifest")
     try:
+        return _checked(policy, version, uri, sha256, resolved, reference, threads)
+    except BadWeights:
+        raise
+    except Exception as exc:  # noqa: BLE001  # whatever reading a published directory raises is a refusal
+        raise BadWeights(f"weights in {resolved} are unreadable: {type(exc).__name__}: {exc}") from None
+
+
+def _checked(policy: str, version: int, uri: str, sha256: str, resolved: Path, reference: Shapes | None,
+             threads: int) -> Target:
+    try:
         manifest = verify_weights_dir(resolved, sha256, threads=threads)
+        if (manifest.policy, manifest.version) != (policy, version):
+            if manifest.policy is None or manifest.version is None:
+                raise BadWeights(f"the manifest of {resolved} names no policy and version (an older publisher's "
+                                 f"format): publish it again with this version of the trainer")
+            raise BadWeights(f"the manifest of {resolved} publishes {manifest.policy!r} v{manifest.version}, but the "
+                             f"event announces {policy!r} v{version}")
         if reference is not None:
             if manifest.kind == "adapter":
                 problems = adapter_problems(file_shapes(resolved / ADAPTER_WEIGHTS_FILE), reference)

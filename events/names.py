@@ -263,6 +263,13 @@ class Keys:
         return f"rb.{self.namespace}.eval"
 
 
+def publication_key(policy: str, version: int) -> str:
+    """The idempotency key of ``WeightsPublished`` for ``policy`` v``version`` (one entry per version): a
+    trainer restarted mid-publish adds no second entry; the controller drops the key when it refuses the
+    version for good, so the version can be announced again once the cause is fixed."""
+    return f"weights.{policy}.{version}"
+
+
 # --- logical stream names: a stream named without its namespace (logs, metrics) ---------------
 
 BATCHES = "batches/"

@@ -230,6 +230,11 @@ class Publisher:
         found = self.guard.call(lambda c: c.get(self._dedupe_key(stream, idempotency_key)))
         return as_str(found) if found is not None else None
 
+    def forget(self, stream: str, idempotency_key: str) -> None:
+        """Let a publish under ``idempotency_key`` add an entry again (its dedupe key goes)."""
+        key = self._dedupe_key(stream, idempotency_key)
+        self.guard.call(lambda c: c.delete(key))
+
     def close(self) -> None:
         """Give the publisher's connection back to the client's pool (a later publish takes one again)."""
         self._lane.close()

@@ -6,9 +6,11 @@ A published version is a Hugging Face directory:
   ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, and whatever else
   ``save_pretrained`` writes (generation config, tokenizer files);
 - a LoRA adapter in PEFT format: ``adapter_config.json`` and ``adapter_model.safetensors``;
-- ``manifest.json``, written last by the publisher: the kind of the directory and the size and
-  sha256 of every other file in it. The sha256 of the manifest's own bytes names the version
-  (``WeightsPublished.sha256``), so one small hash pins every byte of the directory.
+- ``manifest.json``, written last by the publisher: the kind of the directory, the policy and version
+  it publishes, and the size and sha256 of every other file in it. The sha256 of the manifest's own
+  bytes names the version (``WeightsPublished.sha256``), so one small hash pins every byte of the
+  directory and what it claims to be. A directory that is not a publication (a model directory)
+  names no policy or version; format 1 manifests (before the policy and version) still read as such.
 
 ``write_weights_dir`` fills a temporary sibling directory, writes the manifest, then renames it
 into place: a partially written version is never visible under its final name.
@@ -46,7 +48,9 @@ INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = "rollout-bus-weights/1"
+MANIFEST_FORMAT = "rollout-bus-weights/2"
+MANIFEST_FORMATS = ("rollout-bus-weights/1", MANIFEST_FORMAT)
+"""Formats read; 1 has no ``policy`` and ``version`` (nothing written by it is a publication the controller takes)."""
 MAX_HEADER_BYTES = 100 << 20
 DEFAULT_THREADS = 4
 
@@ -106,26 +110,39 @@ class FileEntry:
 class Manifest:
     kind: Kind
     files: dict[str, FileEntry]
+    policy: str | None = None
+    """The policy this directory publishes (None: not a publication, e.g. a model directory)."""
+    version: int | None = None
 
     def to_bytes(self) -> bytes:
-        body = {"format": MANIFEST_FORMAT, "kind": self.kind,
-                "files": {name: {"sha256": e.sha256, "bytes": e.bytes} for name, e in sorted(self.files.items())}}
+        body: dict[str, Any] = {
+            "format": MANIFEST_FORMAT, "kind": self.kind,
+            "files": {name: {"sha256": e.sha256, "bytes": e.bytes} for name, e in sorted(self.files.items())}}
+        if self.policy is not None:
+            body["policy"] = self.policy
+        if self.version is not None:
+            body["version"] = self.version
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Manifest:
         try:
             body = json.loads(raw)
-            if body.get("format") != MANIFEST_FORMAT:
-                raise ValueError(f"format is {body.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+            if body.get("format") not in MANIFEST_FORMATS:
+                raise ValueError(f"format is {body.get('format')!r}, expected one of {list(MANIFEST_FORMATS)}")
             if body.get("kind") not in ("full", "adapter"):
                 raise ValueError(f"kind is {body.get('kind')!r}, expected 'full' or 'adapter'")
             files = {str(name): FileEntry(str(e["sha256"]), int(e["bytes"])) for name, e in body["files"].items()}
+            policy, version = body.get("policy"), body.get("version")
+            if policy is not None and not isinstance(policy, str):
+                raise ValueError(f"policy is {policy!r}, expected a string")
+            if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+                raise ValueError(f"version is {version!r}, expected a non-negative integer")
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise WeightsError(f"malformed {MANIFEST_FILE}: {exc}") from None
         for name in files:
             _check_member_name(name)
-        return cls(body["kind"], files)
+        return cls(body["kind"], files, policy, version)
 
 
 def weights_kind(directory: Path) -> Kind:
@@ -133,8 +150,10 @@ def weights_kind(directory: Path) -> Kind:
     return "adapter" if (directory / ADAPTER_CONFIG_FILE).is_file() else "full"
 
 
-def build_manifest(directory: Path, *, threads: int = DEFAULT_THREADS) -> Manifest:
-    """The manifest of every regular file in ``directory`` (not recursive; no links, no subfolders)."""
+def build_manifest(directory: Path, *, threads: int = DEFAULT_THREADS, policy: str | None = None,
+                   version: int | None = None) -> Manifest:
+    """The manifest of every regular file in ``directory`` (not recursive; no links, no subfolders),
+    naming the ``policy`` and ``version`` it publishes when it is a publication."""
     names: list[str] = []
     for entry in sorted(directory.iterdir()):
         if entry.name == MANIFEST_FILE:
@@ -145,12 +164,13 @@ def build_manifest(directory: Path, *, threads: int = DEFAULT_THREADS) -> Manife
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         digests = list(pool.map(lambda n: sha256_file(directory / n), names))
     files = {n: FileEntry(d, (directory / n).stat().st_size) for n, d in zip(names, digests, strict=True)}
-    return Manifest(weights_kind(directory), files)
+    return Manifest(weights_kind(directory), files, policy, version)
 
 
-def write_manifest(directory: Path, *, threads: int = DEFAULT_THREADS) -> str:
+def write_manifest(directory: Path, *, threads: int = DEFAULT_THREADS, policy: str | None = None,
+                   version: int | None = None) -> str:
     """Write ``manifest.json`` for ``directory``; return its sha256 (the version's name)."""
-    raw = build_manifest(directory, threads=threads).to_bytes()
+    raw = build_manifest(directory, threads=threads, policy=policy, version=version).to_bytes()
     (directory / MANIFEST_FILE).write_bytes(raw)
     return hashlib.sha256(raw).hexdigest()
 
@@ -166,9 +186,11 @@ def read_manifest(directory: Path) -> tuple[Manifest, str]:
 
 def write_weights_dir(final: Path, fill: Callable[[Path], object], *, threads: int = DEFAULT_THREADS,
                       replace: bool = False, same_ok: bool = False,
-                      before_rename: Callable[[], object] | None = None) -> str:
+                      before_rename: Callable[[], object] | None = None, policy: str | None = None,
+                      version: int | None = None) -> str:
     """Write a version directory atomically: ``fill(tmp)`` writes the files into a temporary sibling,
-    the manifest is added, then the directory is renamed to ``final``. Returns the manifest sha256.
+    the manifest (naming ``policy`` and ``version`` for a publication) is added, then the directory is
+    renamed to ``final``. Returns the manifest sha256.
 
     An existing ``final`` is an error (``FileExistsError``) unless ``replace`` (then the old one is
     removed after the rename), or ``same_ok`` and its manifest is the one just written (then nothing
@@ -184,7 +206,7 @@ def write_weights_dir(final: Path, fill: Callable[[Path], object], *, threads: i
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         fill(tmp)
-        digest = write_manifest(tmp, threads=threads)
+        digest = write_manifest(tmp, threads=threads, policy=policy, version=version)
         if before_rename is not None:
             before_rename()
         if same_ok and not replace and final.exists():
@@ -340,8 +362,18 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def file_shapes(path: Path) -> Shapes:
-    return {name: (str(info.get("dtype")), tuple(int(d) for d in info.get("shape", [])))
-            for name, info in read_header(path).items()}
+    header = read_header(path)
+    try:
+        return {name: (str(info.get("dtype")), tuple(_dim(d) for d in info.get("shape", [])))
+                for name, info in header.items()}
+    except (TypeError, ValueError) as exc:
+        raise WeightsError(f"{path} has a malformed safetensors header: {exc}") from None
+
+
+def _dim(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"shape entry {value!r} is not a size")
+    return value
 
 
 def tensor_shapes(path: Path) -> Shapes:
@@ -386,7 +418,7 @@ def nonfinite_tensors(path: Path) -> list[str]:
         if spec is None:
             continue
         word, mask = spec
-        start, end = (int(x) for x in info["data_offsets"])
+        start, end = _data_offsets(path, name, info, size - data_start, np.dtype(word).itemsize)
         values = buffer[data_start + start:data_start + end].view(word)
         for lo in range(0, values.size, _SCAN_ELEMENTS):
             if bool(((values[lo:lo + _SCAN_ELEMENTS] & word(mask)) == word(mask)).any()):
@@ -394,6 +426,22 @@ def nonfinite_tensors(path: Path) -> list[str]:
                 break
     del buffer
     return bad
+
+
+def _data_offsets(path: Path, name: str, info: Mapping[str, Any], data_bytes: int, itemsize: int) -> tuple[int, int]:
+    """A tensor's ``data_offsets`` when they lie inside the file's data and hold whole elements."""
+    offsets = info.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)):
+        raise WeightsError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, expected [start, end]")
+    start, end = offsets
+    if not 0 <= start <= end <= data_bytes:
+        raise WeightsError(f"{path}: tensor {name!r} has data_offsets [{start}, {end}] outside the file's "
+                           f"{data_bytes} bytes of data")
+    if (end - start) % itemsize:
+        raise WeightsError(f"{path}: tensor {name!r} has data_offsets [{start}, {end}]: {end - start} bytes, not a "
+                           f"whole number of {itemsize}-byte elements")
+    return start, end
 
 
 # --- adapters against a base model --------------------------------------------------------------

@@ -110,11 +110,13 @@ def save_pretrained(directory: Path, model: Any, tokenizer: Any = None, *,
 
 
 def save_version(directory: str | os.PathLike[str], model: Any, tokenizer: Any = None, *,
-                 max_shard_size: str | int | None = None, replace: bool = False) -> str:
-    """``save_pretrained`` into a version directory, atomically, with its manifest; return its sha256."""
+                 max_shard_size: str | int | None = None, replace: bool = False, policy: str | None = None,
+                 version: int | None = None) -> str:
+    """``save_pretrained`` into a version directory, atomically, with its manifest (naming ``policy`` and
+    ``version`` for a publication); return its sha256."""
     return write_weights_dir(Path(directory), lambda tmp: save_pretrained(tmp, model, tokenizer,
                                                                            max_shard_size=max_shard_size),
-                             replace=replace)
+                             replace=replace, policy=policy, version=version)
 
 
 def byte_tokenizer() -> Any:

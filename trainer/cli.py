@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("record", help="a passive recorder of one policy's batches")
     _common(r)
     r.add_argument("--out", required=True, help="directory for <batch_id>.safetensors and index.jsonl")
-    r.add_argument("--name", default="recorder", help="consumer group")
+    r.add_argument("--name", default="recorder", type=name_arg("group"), help="consumer group")
     r.add_argument("--start", default="0", help="where a new group starts: 0 (all retained) or $ (new only)")
     r.add_argument("--max-batches", type=int, default=None)
     return p

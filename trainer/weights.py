@@ -14,7 +14,8 @@ bound to it (``events.leased``). A directory of a version never announced (its w
 or was deposed, between the rename and ``WeightsPublished``) is moved aside by the lease holder
 before it writes its own. The event's
 idempotency key is ``weights.<policy>.<version>``, so publishing a version again after a
-restart never adds a second event. ``wait_serving`` then waits until the controller
+restart never adds a second event, unless the controller refused it for good (it then drops the key,
+and the version may be announced again once the cause is fixed). ``wait_serving`` then waits until the controller
 announces ``WeightVersionServing`` for that version or a newer one (or the registry says
 so), up to a timeout.
 
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_bus.events.connection import Guard, Redis
-from rollout_bus.events.names import Keys
+from rollout_bus.events.names import Keys, publication_key
 from rollout_bus.events.paging import stream_entries
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import Registry
@@ -122,7 +123,8 @@ class WeightPublisher:
         directory = version_dir(self.root, self.policy, version)
         if directory.exists() and not self._announced(version):
             self._set_aside(directory)
-        digest = write_weights_dir(directory, fill, same_ok=True, before_rename=self._verify_lease)
+        digest = write_weights_dir(directory, fill, same_ok=True, before_rename=self._verify_lease,
+                                   policy=self.policy, version=version)
         self._saved = (version, digest)
         return directory, digest
 
@@ -146,7 +148,7 @@ class WeightPublisher:
         shutil.rmtree(aside, ignore_errors=True)
 
     def _publish_key(self, version: int) -> str:
-        return f"weights.{self.policy}.{version}"
+        return publication_key(self.policy, version)
 
     def publish(self, model: Any | None, version: int, *, tokenizer: Any = None,
                 max_shard_size: str | int | None = None) -> Published:

@@ -62,7 +62,7 @@ def test_a_killed_or_hung_engine_is_replaced_and_gets_the_latest_weights_before_
     cfg = ControllerConfig(namespace=keys.namespace, redis_url=redis_server.url, num_engines=2,
                            model_path=str(root / "base"), weights_root=str(root), health_interval_s=0.2,
                            health_timeout_s=1.0, health_failure_threshold=2, log_dir=str(tmp_path / "logs"))
-    v1, sha = write_version(root / "base", root / "v1", seed=1)
+    v1, sha = write_version(root / "base", root / "default" / "v1", seed=1)
 
     async def scenario() -> None:
         ctl = InferenceController(cfg, redis_client)
@@ -110,7 +110,7 @@ def test_an_engine_that_dies_under_a_weight_update_does_not_hold_back_the_others
     cfg = ControllerConfig(namespace=keys.namespace, redis_url=redis_server.url, num_engines=2,
                            model_path=str(root / "base"), weights_root=str(root), health_interval_s=30.0,
                            log_dir=str(tmp_path / "logs"))
-    versions = {v: write_version(root / "base", root / f"v{v}", seed=v) for v in (1, 2)}
+    versions = {v: write_version(root / "base", root / "default" / f"v{v}", seed=v) for v in (1, 2)}
 
     async def scenario() -> None:
         ctl = InferenceController(cfg, redis_client)
@@ -209,7 +209,7 @@ def test_a_new_controller_adopts_the_engines_of_a_killed_one_without_duplicates(
     assert engine_pids(base) == set(pids.values())
     assert len(find(read_events(redis_client, keys.engine_stream), EngineLaunching)) == launches
 
-    v1, sha = write_version(base, root / "v1", seed=1)
+    v1, sha = write_version(base, root / "default" / "v1", seed=1)
     publish_weights(redis_client, keys, "default", 1, str(v1), sha)
     wait_until("v1 serving after the takeover", lambda: find(
         read_events(redis_client, keys.weight_stream), WeightVersionServing, version=1), 15)

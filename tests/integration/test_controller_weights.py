@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from rollout_bus.events.schema import (
     WeightUpdateFailed,
     WeightVersionServing,
 )
-from rollout_bus.lm.files import read_manifest
+from rollout_bus.lm.files import read_manifest, write_manifest
 from tests.engine_proc import EngineProcess, make_weights_dir, wait_until
 from tests.support.controller_driver import (
     find,
@@ -98,7 +99,7 @@ def test_a_weight_update_reaches_all_three_engines_while_requests_are_in_flight(
         mode: str, keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
         engines: list[EngineProcess]) -> None:
     version = next(_versions)
-    new_dir, sha = write_version(root / "base", root / f"v{version}", seed=version)
+    new_dir, sha = write_version(root / "base", root / "default" / f"v{version}", seed=version)
 
     async def scenario() -> list[Any]:
         ctl = await started(config(keys, redis_server, root, engines, pause_mode=mode), redis_client)
@@ -140,18 +141,20 @@ def test_bad_weights_are_refused_and_engines_keep_serving_the_old_version(
     version = next(_versions)
     uri, sha = "", ""
     if case == "checksum mismatch":
-        path, _ = write_version(root / "base", root / f"v{version}", seed=version)
+        path, _ = write_version(root / "base", root / "default" / f"v{version}", seed=version)
         uri, sha = str(path), "ab" * 32
     elif case == "missing file":
-        uri, sha = str(root / f"v{version}-never-written"), "ab" * 32
+        uri, sha = str(root / "default" / f"v{version}-never-written"), "ab" * 32
     elif case.startswith("wrong shapes"):
-        path, sha = write_version(root / "base", root / f"v{version}", seed=version, shape_change=True)
+        path, sha = write_version(root / "base", root / "default" / f"v{version}", seed=version, shape_change=True)
         uri = str(path)
     elif case == "outside the root":
         path, sha = write_version(root / "base", tmp_path / f"v{version}", seed=version)
         uri = str(path)
     # Without a reference model the controller cannot check shapes: the engines refuse them.
-    extra = {"model_path": ""} if case.endswith("by the engines") else {}
+    extra: dict[str, Any] = {"model_path": ""} if case.endswith("by the engines") else {}
+    if case == "missing file":
+        extra["weights_missing_wait_s"] = 0.5  # looked for again, with backoff, then refused
     old = {e.url: e.get("/model_info")[1]["weight_version"] for e in engines}
 
     async def scenario() -> None:
@@ -186,7 +189,7 @@ def test_offloaded_engines_leave_serving_and_onload_brings_them_back_on_the_late
         keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
         engines: list[EngineProcess]) -> None:
     version = next(_versions)
-    new_dir, sha = write_version(root / "base", root / f"v{version}", seed=version)
+    new_dir, sha = write_version(root / "base", root / "default" / f"v{version}", seed=version)
     producer = Producer("trainer", "test")
 
     async def scenario() -> str:
@@ -226,7 +229,7 @@ def test_an_adopted_engine_that_dies_leaves_serving_and_comes_back_with_the_late
         keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
         engines: list[EngineProcess]) -> None:
     version = next(_versions)
-    new_dir, sha = write_version(root / "base", root / f"v{version}", seed=version)
+    new_dir, sha = write_version(root / "base", root / "default" / f"v{version}", seed=version)
     victim = engines[2]
     engine_id = adopted(victim)
 
@@ -265,9 +268,9 @@ def test_an_adapter_policy_is_loaded_beside_the_base_and_full_weights_without_a_
     that is not the base is an adapter (loaded under ``<policy>@v<version>``), and full weights for it
     with no pool of its own are refused."""
     version = next(_versions)
-    adapter_dir = tiny_adapter(root / f"math-v{version}", seed=version)
+    adapter_dir = tiny_adapter(root / "math" / f"v{version + 1}", seed=version, policy="math", version=version + 1)
     sha = read_manifest(adapter_dir)[1]
-    full_dir, full_sha = write_version(root / "base", root / f"v{version}", seed=version)
+    full_dir, full_sha = write_version(root / "base", root / "math" / f"v{version}", seed=version)
     base_before = {e.url: e.get("/model_info")[1] for e in engines}
 
     async def scenario() -> list[Any]:
@@ -391,3 +394,50 @@ def test_engine_loads_come_from_v1_loads(keys: Keys, redis_server: RedisServer, 
             await ctl.stop()
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_an_adapter_the_engine_fails_on_is_a_refused_version_and_the_engine_is_not_restarted(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+    """The engine answers 500 to an adapter peft cannot build (rank 0 in its config, which the controller's
+    checks do not read), and still generates on its base weights: the version is refused, the engine is
+    neither restarted nor taken out of serving (a restart would load the same adapter again), and the
+    policy's next version still applies."""
+    root = tmp_path / "weights"
+    make_weights_dir(root / "base", seed=0)
+    broken = tiny_adapter(root / "math" / "v000001", seed=1, policy="math", version=1)
+    settings = json.loads((broken / "adapter_config.json").read_text())
+    (broken / "adapter_config.json").write_text(json.dumps({**settings, "r": 0}))
+    write_manifest(broken, policy="math", version=1)
+    good = tiny_adapter(root / "math" / "v000002", seed=2, policy="math", version=2)
+    cfg = ControllerConfig(namespace=keys.namespace, redis_url=redis_server.url, num_engines=1, enable_lora=True,
+                           model_path=str(root / "base"), weights_root=str(root), health_interval_s=0.2,
+                           health_timeout_s=2.0, health_failure_threshold=1, log_dir=str(tmp_path / "logs"))
+
+    def own(kind: type) -> list[Any]:
+        return find(read_events(redis_client, keys.engine_stream), kind, engine_id="engine-0")
+
+    async def scenario() -> tuple[int | None, int | None, Any]:
+        ctl = await started(cfg, redis_client)
+        try:
+            pid = ctl.engines["engine-0"].record.pid
+            publish_weights(redis_client, keys, "math", 1, str(broken), read_manifest(broken)[1])
+            await wait_until_async("the refusal", lambda: find(
+                read_events(redis_client, keys.weight_stream), WeightUpdateFailed, policy="math", version=1), 15)
+            publish_weights(redis_client, keys, "math", 2, str(good), read_manifest(good)[1])
+            await wait_until_async("v2 serving", lambda: find(
+                read_events(redis_client, keys.weight_stream), WeightVersionServing, policy="math", version=2), 15)
+            await asyncio.sleep(0.5)  # a few more health rounds
+            record = Registry(redis_client, keys).engines()["engine-0"]
+            reply = await EngineClient(record.url).generate([1, 5, 6], {"max_new_tokens": 4, "temperature": 0.0})
+            return pid, ctl.engines["engine-0"].record.pid, reply
+        finally:
+            await ctl.stop()
+
+    pid_before, pid_after, reply = asyncio.run(scenario())
+    (refused,) = find(read_events(redis_client, keys.weight_stream), WeightUpdateFailed, policy="math", version=1,
+                      engine_id="engine-0")
+    assert "HTTP 500 loading adapter math@v1" in refused.reason  # type: ignore[attr-defined]
+    assert "still generates on its base weights" in refused.reason  # type: ignore[attr-defined]
+    assert not own(EngineUnhealthy) and not own(EngineRestarting)
+    assert pid_before is not None and pid_before == pid_after
+    assert len(reply["output_ids"]) == 4

@@ -25,6 +25,7 @@ def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.
                   shape_change: bool = False) -> tuple[Path, str]:
     """A copy of the weights in ``base_dir`` with noise added; returns (directory, manifest sha256).
 
+    ``out_dir`` is ``<root>/<policy>/v<version>``: the manifest names that policy and version.
     ``shape_change`` drops the last row of every 2-d tensor: weights that must be refused.
     """
     import numpy as np
@@ -43,7 +44,8 @@ def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.
         shutil.copyfile(base_dir / CONFIG_FILE, tmp / CONFIG_FILE)
         save_file(out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
 
-    return out_dir, write_weights_dir(out_dir, fill, replace=True)
+    version = int(out_dir.name[1:]) if out_dir.name[1:].isdigit() else None
+    return out_dir, write_weights_dir(out_dir, fill, replace=True, policy=out_dir.parent.name, version=version)
 
 
 def publish_weights(client: Redis, keys: Keys, policy: str, version: int, uri: str, sha256: str,

@@ -42,9 +42,10 @@ def llama_adapter(base_dir: Path, directory: Path, *, seed: int, scale: float = 
 
 
 def tiny_adapter(directory: Path, *, seed: int, base_seed: int = 0, scale: float = 0.5,
-                 config: ModelConfig | None = None) -> Path:
+                 config: ModelConfig | None = None, policy: str | None = None, version: int | None = None) -> Path:
+    """A LoRA adapter over the tiny LM; published as ``policy`` v``version`` when they are given."""
     model = lora(build_model(config or ModelConfig(), seed=base_seed), TINY_TARGETS, seed=seed, scale=scale)
-    hf.save_version(directory, model)
+    hf.save_version(directory, model, policy=policy, version=version)
     return directory
 
 

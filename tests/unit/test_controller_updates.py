@@ -125,7 +125,7 @@ class Rig:
             else:
                 save_file({"w": np.full((2, 2), version, dtype=np.float32)}, str(tmp / "model.safetensors"))
 
-        sha = write_weights_dir(directory, fill, replace=True)
+        sha = write_weights_dir(directory, fill, replace=True, policy=policy, version=version)
         return WeightsPublished(producer=Producer("trainer", "t"), policy=policy, version=version,
                                 uri=str(directory), sha256=sha)
 

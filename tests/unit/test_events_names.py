@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from rollout_bus.events.errors import DecodeError
-from rollout_bus.events.names import DEFAULT_NAMESPACE, Keys, check_name
+from rollout_bus.events.names import DEFAULT_NAMESPACE, NAME_PATTERN, Keys, check_name, name_problem
 from rollout_bus.events.schema import FIELD, Producer, WeightsPublished, decode
 
 
@@ -118,3 +121,19 @@ def test_a_policy_name_with_a_dot_is_refused_at_the_command_line_and_at_decode_n
         decode({FIELD: msgpack.packb(bad)})
     with pytest.raises(DecodeError, match=r"producer instance 'h:1': character ':' at position 2"):
         decode({FIELD: msgpack.packb({**good.to_dict(), "producer": {"role": "trainer", "instance": "h:1"}})})
+
+
+@given(st.text(max_size=80))
+@settings(max_examples=300, deadline=None)
+def test_any_string_is_a_name_exactly_when_the_grammar_says_so_and_a_refusal_points_at_a_wrong_character(
+        value: str) -> None:
+    problem = name_problem("policy", value)
+    assert (problem is None) == bool(NAME_PATTERN.fullmatch(value))
+    if problem is None or not value or len(value) > 64 and NAME_PATTERN.fullmatch(value[:64]):
+        return
+    match = re.search(r"character (.+) at position (\d+) is not allowed", problem)
+    assert match is not None, problem
+    position = int(match.group(2))
+    assert repr(value[position - 1]) == match.group(1)
+    assert position == 1 or NAME_PATTERN.fullmatch(value[:min(position - 1, 64)])  # every character before is fine
+    assert not NAME_PATTERN.fullmatch(value[position - 1:position] if position > 1 else value[:1])

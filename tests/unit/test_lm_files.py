@@ -64,6 +64,36 @@ def test_nan_and_infinity_are_found_from_the_raw_bits_of_every_float_dtype(tmp_p
     assert sorted(nonfinite_tensors(tmp_path / "w.safetensors")) == ["inf", "nan"]
 
 
+def test_a_header_whose_offsets_or_shape_do_not_fit_its_data_is_a_weights_error(tmp_path: Path) -> None:
+    """Crafted headers: offsets past the data, offsets that split an element, a negative dimension."""
+    def crafted(info: dict[str, object], data: int = 16) -> Path:
+        header = json.dumps({"w": {"dtype": "F32", "shape": [2, 2], **info}}).encode()
+        path = tmp_path / "w.safetensors"
+        path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(data))
+        return path
+
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"data_offsets": [0, 15]}, r"\[0, 15\]: 15 bytes, not a whole number of 4-byte"),
+        ({"data_offsets": [0, 64]}, r"\[0, 64\] outside the file's 16 bytes"),
+        ({"data_offsets": [8, 4]}, "outside"), ({"data_offsets": "0-16"}, "expected \\[start, end\\]")]
+    for info, message in cases:
+        with pytest.raises(WeightsError, match=message):
+            nonfinite_tensors(crafted(info))
+    with pytest.raises(WeightsError, match="malformed safetensors header: shape entry -2"):
+        tensor_shapes(crafted({"data_offsets": [0, 16], "shape": [-2, 2]}))
+
+
+def test_the_manifest_names_the_policy_and_version_it_publishes(tmp_path: Path) -> None:
+    def fill(tmp: Path) -> None:
+        save_file({"w": torch.ones(2)}, str(tmp / "model.safetensors"))
+
+    write_weights_dir(tmp_path / "p" / "v000007", fill, policy="p", version=7)
+    manifest, _ = read_manifest(tmp_path / "p" / "v000007")
+    assert (manifest.policy, manifest.version) == ("p", 7)
+    write_weights_dir(tmp_path / "model", fill)  # a model directory, not a publication
+    assert (read_manifest(tmp_path / "model")[0].policy, read_manifest(tmp_path / "model")[0].version) == (None, None)
+
+
 def test_shapes_are_read_across_shards_and_an_index_must_match_them(tmp_path: Path) -> None:
     save_file({"a": torch.ones(2, 3)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"b": torch.ones(4)}, str(tmp_path / "model-00002-of-00002.safetensors"))
