@@ -20,7 +20,7 @@ from rollout_bus.events.errors import DecodeError
 from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import page
 from rollout_bus.events.train_data import TrainData, ragged
-from rollout_bus.lm.model import ModelConfig, build_model, load_model, save_weights
+from rollout_bus.lm.model import ModelConfig, TinyLM, build_model, load_model, save_weights
 from rollout_bus.lm.tokenizer import VOCAB_SIZE
 from rollout_bus.replay.logfile import Header, LogEntry, LogWriter, Payload, StreamRange
 from rollout_bus.trainer.checkpoint import CheckpointStore
@@ -60,7 +60,7 @@ def huge_advantage(data: TrainData) -> None:
     data.rewards[:] = 3e38
 
 
-def tiny_model() -> torch.nn.Module:
+def tiny_model() -> TinyLM:
     return build_model(ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=32), seed=0)
 
 
