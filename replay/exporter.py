@@ -30,7 +30,7 @@ from typing import IO, Any, Protocol
 
 from rollout_bus.events.connection import Guard, Redis, as_str
 from rollout_bus.events.consume import register_group
-from rollout_bus.events.errors import PayloadMissing
+from rollout_bus.events.errors import DecodeError, PayloadMissing
 from rollout_bus.events.names import BATCHES, Keys, check_name, logical_stream, stream_key
 from rollout_bus.events.paging import discover_streams, page
 from rollout_bus.events.retention import first_needed
@@ -203,7 +203,10 @@ def release_payloads(client: Redis, keys: Keys, policies: Sequence[str], *, grou
             for _, fields in page(client, stream, guard=g):
                 event = is_batch_ready(LogEntry(BATCHES + policy, "0-0", fields))
                 if event is not None and group in channel.readers(str(event.payload.get("ref"))):
-                    deleted += bool(channel.release(event, group))
+                    try:
+                        deleted += bool(channel.release(event, group))
+                    except DecodeError as exc:  # an event pointing at another batch's payload: never released
+                        log.warning("batch %s of %s: %s", event.batch_id, policy, exc.reason)
             g.call(destroy)
     finally:
         channel.close()

@@ -19,7 +19,7 @@ import msgpack
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, decode, encode
 from rollout_bus.events.batches import DEFAULT_PAYLOAD_TTL_S, BatchChannel
 from rollout_bus.events.connection import Guard, Redis
-from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing
+from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing, PayloadTooLarge
 from rollout_bus.events.names import Keys
 from rollout_bus.events.payload import StoreSpec, make_store
 from rollout_bus.events.payload.base import PayloadStore, check_ref
@@ -46,6 +46,8 @@ class StorePayloads:
             buffer = self.channel.store_for(event.payload).get(event.payload)
         except DecodeError as exc:
             raise PayloadMissing(f"batch {event.batch_id}: {exc.reason}") from None
+        except PayloadTooLarge as exc:  # a reference declaring more than a batch may hold: not exported
+            raise PayloadMissing(f"batch {event.batch_id}: {exc}") from None
         return memoryview(buffer).cast("B")
 
     def write(self, event: BatchReady, data: bytes | memoryview) -> dict[str, Any]:

@@ -88,22 +88,17 @@ class RecordReader:
                 raise OutOfData
             self._buf += chunk
 
-    def _take(self, n: int) -> memoryview:
+    def _ensure(self, pos: int, n: int) -> None:
+        """Make sure bytes ``[pos, pos + n)`` of the record are in the buffer."""
+        self._pos = pos
         self._need(n)
-        view = memoryview(self._buf)[self._pos:self._pos + n]
-        self._pos += n
-        return view
-
-    def _uint(self, n: int) -> int:
-        view = self._take(n)
-        try:
-            return int.from_bytes(view, "big")
-        finally:
-            view.release()
 
     def _walk(self) -> None:
-        """Step over one msgpack object (and everything in it), counting objects and depth."""
-        limits = self.limits
+        """Step over one msgpack object (and everything in it), counting objects and depth; leaves the
+        position at the record's end. Hot: locals only, the buffer refilled only when a read runs past it."""
+        max_objects, max_depth = self.limits.max_objects, self.limits.max_depth
+        buf = self._buf  # grows in place (``+=``), so this stays the buffer
+        pos = self._pos
         remaining = [1]  # objects left at each open level; the first is the record itself
         objects = 0
         while remaining:
@@ -112,40 +107,52 @@ class RecordReader:
                 continue
             remaining[-1] -= 1
             objects += 1
-            if objects > limits.max_objects:
-                raise DecodeError(f"record of more than {limits.max_objects} objects (the limit)")
-            tag = self._uint(1)
-            children, skip = _shape(tag, self._uint)
+            if objects > max_objects:
+                raise DecodeError(f"record of more than {max_objects} objects (the limit)")
+            if pos >= len(buf):
+                self._ensure(pos, 1)
+            tag = buf[pos]
+            pos += 1
+            children = skip = 0
+            if tag <= 0x7F or tag >= 0xE0 or tag in (0xC0, 0xC2, 0xC3):
+                continue
+            if 0x80 <= tag <= 0x9F:
+                children = (tag & 0x0F) * (2 if tag <= 0x8F else 1)
+            elif 0xA0 <= tag <= 0xBF:
+                skip = tag & 0x1F
+            elif tag in _FIXED:
+                skip = _FIXED[tag]
+            else:
+                width = _SIZED.get(tag) or _COUNTED.get(tag)
+                if width is None:
+                    raise DecodeError(f"msgpack type {tag:#04x} (an extension type, or none) is not used in logs")
+                if pos + width > len(buf):
+                    self._ensure(pos, width)
+                value = int.from_bytes(buf[pos:pos + width], "big")
+                pos += width
+                if tag in _SIZED:
+                    skip = value
+                else:
+                    children = value * (2 if tag >= 0xDE else 1)
             if skip:
-                self._need(skip)
-                self._pos += skip
+                if pos + skip > len(buf):
+                    self._ensure(pos, skip)
+                pos += skip
             if children:
-                if len(remaining) > limits.max_depth:
-                    raise DecodeError(f"record nested deeper than {limits.max_depth} levels (the limit)")
+                if len(remaining) > max_depth:
+                    raise DecodeError(f"record nested deeper than {max_depth} levels (the limit)")
                 remaining.append(children)
+        if pos > self.limits.max_record_bytes:  # the walk stayed within bytes read ahead: checked at its end
+            raise DecodeError(f"record of more than {self.limits.max_record_bytes} bytes (the limit)")
+        self._pos = pos
 
 
-def _shape(tag: int, uint: Any) -> tuple[int, int]:
-    """(child objects, bytes to skip) of the msgpack object that starts with ``tag``."""
-    if tag <= 0x7F or tag >= 0xE0 or tag in (0xC0, 0xC2, 0xC3):
-        return 0, 0
-    if 0x80 <= tag <= 0x8F:
-        return 2 * (tag & 0x0F), 0
-    if 0x90 <= tag <= 0x9F:
-        return tag & 0x0F, 0
-    if 0xA0 <= tag <= 0xBF:
-        return 0, tag & 0x1F
-    sized = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}  # bin and str: a length, then the bytes
-    if tag in sized:
-        return 0, uint(sized[tag])
-    fixed = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
-    if tag in fixed:
-        return 0, fixed[tag]
-    if tag in (0xDC, 0xDD):
-        return uint(2 if tag == 0xDC else 4), 0
-    if tag in (0xDE, 0xDF):
-        return 2 * uint(2 if tag == 0xDE else 4), 0
-    raise DecodeError(f"msgpack type {tag:#04x} (an extension type, or none) is not used in logs")
+_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+"""bin and str: the width of their length, then that many bytes."""
+_COUNTED = {0xDC: 2, 0xDD: 4, 0xDE: 2, 0xDF: 4}
+"""array and map: the width of their count (of items, of pairs)."""
+_FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+"""floats and sized ints: their width."""
 
 
 # --- field checks ------------------------------------------------------------------------------
@@ -175,7 +182,3 @@ def check_fields(value: Any, where: str) -> dict[Any, Any]:
                                               for k, v in value.items()):
         raise DecodeError(f"{where}: 'fields' must be a map of bytes to bytes")
     return value
-
-
-def u64(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_U64

@@ -29,7 +29,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +50,9 @@ from rollout_bus.trainer.lease import PolicyLease
 from rollout_bus.trainer.payloads import ChannelReader, PayloadReader
 
 log = logging.getLogger(__name__)
+
+MAX_REFUSED = 1024
+"""Refused batches kept for ``refused`` (the oldest go first: a flood of forged events costs bounded memory)."""
 
 
 @dataclass
@@ -117,7 +120,7 @@ class RolloutClient:
                                  ConsumerConfig(block_ms=config.block_ms, auto_ack=False, start_id=config.start_id,
                                                 claim_idle_ms=config.claim_idle_ms))
         self._buffer: OrderedDict[str, ReceivedBatch] = OrderedDict()
-        self._refused: list[ReceivedBatch] = []
+        self._refused: deque[ReceivedBatch] = deque(maxlen=MAX_REFUSED)
         self._touched = time.monotonic()
         self.lease = PolicyLease(client, keys, config.policy, config.trainer_id, rank=config.consumer_index,
                                  dp_size=config.dp_size, ttl_s=config.lease_ttl_s)
@@ -217,7 +220,7 @@ class RolloutClient:
         return ReceivedBatch(msg.id, event, data, msg.deliveries, time.monotonic())
 
     def _refuse(self, entry_id: str, fields: Any, deliveries: int, event: BatchReady, reason: str, *,
-                release: bool) -> ReceivedBatch:
+                release: bool, keep: bool = True) -> None:
         """Dead-letter a batch that failed a check (with ``reason``) and keep it for ``refused``; its payload
         is released when it is this batch's own (a reference to another batch's bytes is left alone)."""
         self.consumer.dead_letter(entry_id, fields, reason, deliveries)
@@ -226,19 +229,19 @@ class RolloutClient:
                 self.payloads.release(event, self.config.group)
             except (DecodeError, PayloadMissing, PayloadTooLarge) as exc:
                 log.info("batch %s: payload not released: %s", event.batch_id, exc)
-        refused = ReceivedBatch(entry_id, event, None, deliveries, time.monotonic(), reason)
-        self._refused.append(refused)
-        return refused
+        if keep:
+            self._refused.append(ReceivedBatch(entry_id, event, None, deliveries, time.monotonic(), reason))
 
     def refuse(self, batch: ReceivedBatch, reason: str) -> None:
         """Dead-letter a batch taken from the buffer that the trainer cannot use (a step it refused)."""
         self._buffer.pop(batch.message_id, None)
-        self._refuse(batch.message_id, encode(batch.event), batch.deliveries, batch.event, reason, release=True)
-        self._refused.pop()
+        self._refuse(batch.message_id, encode(batch.event), batch.deliveries, batch.event, reason, release=True,
+                     keep=False)
 
     def refused(self) -> list[ReceivedBatch]:
         """The batches dead-lettered by ``poll`` since the last call (their ``error`` says why)."""
-        out, self._refused = self._refused, []
+        out = list(self._refused)
+        self._refused.clear()
         return out
 
     def buffered(self) -> list[ReceivedBatch]:

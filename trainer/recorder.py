@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from rollout_bus.events.batch import Ragged
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
-from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.errors import DecodeError, PayloadMissing, PayloadTooLarge
 from rollout_bus.events.names import Keys
 from rollout_bus.events.schema import BatchReady
 from rollout_bus.events.train_data import TrainData
@@ -92,7 +92,7 @@ class Recorder:
             return
         try:
             data = self.payloads.fetch(event)
-        except (PayloadMissing, DecodeError) as exc:
+        except (PayloadMissing, DecodeError, PayloadTooLarge) as exc:
             log.warning("batch %s not recorded: %s", event.batch_id, exc)
             self._append_index({"batch_id": event.batch_id, "entry_id": msg.id, "error": str(exc)})
             return

@@ -129,3 +129,21 @@ def test_every_store_checks_the_declared_size_against_the_channels_maximum(
         with pytest.raises(PayloadTooLarge, match="maximum batch size"):
             channel.fetch(event)
         channel.close()
+
+
+def test_releasing_held_payloads_skips_an_event_that_points_at_another_policys_payload(
+        redis_client: redis.Redis, keys: Keys) -> None:
+    from rollout_bus.replay.exporter import hold_payloads, release_payloads
+
+    hold_payloads(redis_client, keys, ["pa", "pb"])
+    channel = BatchChannel(redis_client, keys)
+    try:
+        theirs = publish(channel, "pb", 0)
+        forge(redis_client, keys, "pa", s.BatchReady(
+            producer=FORGER, policy="pa", batch_id="b-pa-7", rollout_id=7, request_id="q-pa-7", n_samples=4,
+            min_weight_version=0, max_weight_version=0, bytes=theirs.bytes, payload=theirs.payload))
+        assert release_payloads(redis_client, keys, ["pa"]) == 0  # no error, and B's payload is not touched
+        assert channel.fetch(theirs).nbytes == theirs.bytes
+        assert release_payloads(redis_client, keys, ["pb"]) == 1
+    finally:
+        channel.close()

@@ -20,7 +20,7 @@ from rollout_bus.events.errors import DecodeError
 from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import page
 from rollout_bus.events.train_data import TrainData, ragged
-from rollout_bus.lm.model import ModelConfig, build_model, load_model, save_weights
+from rollout_bus.lm.model import ModelConfig, TinyLM, build_model, load_model, save_weights
 from rollout_bus.lm.tokenizer import VOCAB_SIZE
 from rollout_bus.replay.logfile import Header, LogEntry, LogWriter, Payload, StreamRange
 from rollout_bus.trainer.checkpoint import CheckpointStore
@@ -60,7 +60,7 @@ def huge_advantage(data: TrainData) -> None:
     data.rewards[:] = 3e38
 
 
-def tiny_model() -> torch.nn.Module:
+def tiny_model() -> TinyLM:
     return build_model(ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=32), seed=0)
 
 
@@ -137,6 +137,25 @@ def test_the_hf_learner_refuses_a_non_finite_step_and_keeps_its_weights() -> Non
     with pytest.raises(NonFiniteStep):
         learner.train_step(data)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_refused_step_restores_the_weights_and_optimiser_state_on_the_device() -> None:
+    torch.manual_seed(0)
+    model = tiny_llama(VOCAB_SIZE)
+    learner = HFLearner(model, OptimConfig(lr=1e-3), LossSettings(), HFSettings(micro_batch_size=2, device="cuda"))
+    learner.train_step(fake_batch(2, 2, rollout_id=0, version=0, rng=random.Random(1)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {i: {k: v.clone() for k, v in per.items()} for i, per in learner.optimizer.state_dict()["state"].items()}
+    data = fake_batch(2, 2, rollout_id=1, version=0, rng=random.Random(2))
+    huge_advantage(data)
+    with pytest.raises(NonFiniteStep):
+        learner.train_step(data)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    after = learner.optimizer.state_dict()["state"]
+    assert all(torch.equal(state[i][k].cpu(), after[i][k].cpu()) for i in state for k in state[i])
+    assert all(v.device.type == "cuda" for per in after.values() for k, v in per.items() if k != "step")
+    learner.train_step(fake_batch(2, 2, rollout_id=2, version=0, rng=random.Random(3)))
 
 
 # --- the trainer service -----------------------------------------------------------------------

@@ -88,6 +88,9 @@ def test_the_record_limit_is_configurable_and_well_below_128_mib(tmp_path: Path)
     assert len(read_all(path)) == 1
     with pytest.raises(DecodeError, match="record of more than 1048576 bytes"):
         read_all(path, limits=ReadLimits(max_record_bytes=1 << 20))
+    with pytest.raises(DecodeError, match="record of more than 65536 bytes"):  # one already read ahead, too
+        read_all(write(tmp_path / "mid.rblog", HEADER, entry(fields={b"e": b"x" * (200 << 10)}), END),
+                 limits=ReadLimits(max_record_bytes=64 << 10))
 
 
 # --- malformed logs ------------------------------------------------------------------------
