@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import fakeredis
 import pytest
 import redis
 from aiohttp import web
 
+from rollout_bus.controller.config import ControllerConfig
 from rollout_bus.controller.lease import MAX_TOKEN, Lease
 from rollout_bus.controller.runner import LeaderRunner
+from rollout_bus.controller.service import InferenceController
 from rollout_bus.engine.http_client import EngineClient, EngineHTTPError, close_shared_session
 from rollout_bus.events.embedded import free_port
 from rollout_bus.events.errors import Fenced, ReplicationTimeout
@@ -181,3 +184,27 @@ def test_a_fence_refusal_after_the_lease_was_taken_makes_the_leader_step_down(
     log, runner = asyncio.run(scenario())
     assert log == ["start token=1", "stop engines=False"]
     assert runner.step_downs == 1 and runner.retakes == [] and client.get(keys.controller_lease) == b"other"
+
+
+def test_a_fenced_controller_neither_fails_nor_restarts_an_engine_nor_writes(tmp_path: Path) -> None:
+    """A fence refusal spends no restart budget: once fenced, nothing is marked, restarted or written."""
+    config = ControllerConfig(namespace="unit", num_engines=1, model_path=str(tmp_path),
+                              weights_root=str(tmp_path), log_dir=str(tmp_path / "logs"))
+
+    async def scenario() -> tuple[EngineState, int, list[str]]:
+        ctl = InferenceController(config, fakeredis.FakeRedis(), fence=1, holder="me")
+        h = ctl.lifecycle.new_handle("engine-0", "http://127.0.0.1:9", managed=True, state=EngineState.SERVING)
+        ctl.fenced.set()  # an engine answered 409 fenced
+        await ctl.lifecycle.fail(h, "health check failed 3 times: HTTP 409: fenced")
+        h.record.state = EngineState.UNHEALTHY
+        await ctl.lifecycle.restart(h)
+        refused = []
+        try:
+            await ctl.core.save(h)
+        except Fenced as exc:
+            refused.append(str(exc))
+        await close_shared_session()
+        return h.state, h.restart_attempts, refused
+
+    state, attempts, refused = asyncio.run(scenario())
+    assert state == EngineState.UNHEALTHY and attempts == 0 and len(refused) == 1
