@@ -208,3 +208,26 @@ def test_a_fenced_controller_neither_fails_nor_restarts_an_engine_nor_writes(tmp
 
     state, attempts, refused = asyncio.run(scenario())
     assert state == EngineState.UNHEALTHY and attempts == 0 and len(refused) == 1
+
+
+def test_a_leader_fenced_again_and_again_stops_chasing_the_token_and_lets_the_lease_go(
+        client: redis.Redis, keys: Keys) -> None:
+    """Something that keeps raising tokens (a caller holding the engine key) gets three takeovers, not a loop."""
+    async def scenario() -> tuple[list[str], LeaderRunner, bytes | None]:
+        log: list[str] = []
+        me = Lease(client, keys.controller_lease, "me", 0.6)
+        runner = LeaderRunner(me, lambda: FencedService(log, me, (me.token or 0) + 100, []), 0.6)
+        stop = asyncio.Event()
+        task = asyncio.create_task(runner.run(stop))
+        await asyncio.wait_for(runner.lost.wait(), 10)
+        await asyncio.sleep(0.2)  # within the lease's wait that follows
+        holder = client.get(keys.controller_lease)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        return log, runner, holder
+
+    log, runner, holder = asyncio.run(scenario())
+    assert log[:8] == ["start token=1", "stop engines=False", "start token=102", "stop engines=False",
+                       "start token=203", "stop engines=False", "start token=304", "stop engines=False"]
+    assert len(runner.retakes) == 3 and runner.step_downs == 1
+    assert holder is None  # released for another controller to try
