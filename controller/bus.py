@@ -83,6 +83,8 @@ class ControllerBus:
         def write() -> None:
             if snapshot is not None:
                 self.registry.put_engine(snapshot)
+            elif event is not None:  # an event alone: the fence is checked first, so a deposed leader adds none
+                self.registry.check_fence()
             if event is not None:
                 self.publisher.publish(stream, event, durable=durable)
         await self.call(write)

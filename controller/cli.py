@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         keys = Keys(config.namespace)
         lease = Lease(client, keys.controller_lease, owner_token(config.instance), config.lease_ttl_s)
-        launched = Launched.in_dir(config.log_dir)  # one record for every service this process runs
+        launched = Launched.in_dir(config.log_dir, config.instance)  # one record for every service this process runs
         runner = LeaderRunner(lease, lambda: InferenceController(config, client, fence=lease.token, holder=lease.owner,
                                                                  launched=launched),
                               config.lease_ttl_s, launched=launched, registry=Registry(client, keys))

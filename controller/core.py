@@ -48,7 +48,7 @@ class Core:
         self.book = VersionBook()
         self.engines: dict[str, EngineHandle] = {}
         self.policies: dict[str, PolicyRecord] = {}
-        self.launched = launched if launched is not None else Launched.in_dir(config.log_dir)
+        self.launched = launched if launched is not None else Launched.in_dir(config.log_dir, config.instance)
         self.fence_highest = 0
         """The highest fencing token an engine said it has seen, when one refused us (0: none did)."""
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -4,12 +4,13 @@ The registry and the engine log say which engines exist, but they live in Redis:
 its data, a controller that trusted them alone would launch new engines beside the ones it still
 runs, and leak those. ``Launched`` keeps every engine it launched (id, url, pid) in memory for the
 life of the process, shared by each service the leader runner starts, and with a log directory in
-``launched.json`` there too, so a controller restarted on that directory knows them as well.
+``launched-<instance>.json`` there too, so a controller of that instance restarted on that directory
+knows them as well (a standby instance sharing the directory keeps a file of its own).
 
 A service that takes over adds each one whose process still runs and that the registry does not
 list, and adopts it (or stops it when it is no longer wanted) like any other. A leader that lost
 the lease hands an engine over only when the registry lists it with its pid, since that is where
-the next leader finds it; one the registry does not list is stopped (``orphans``).
+the next leader finds it; one the registry does not list is stopped (``LeaderRunner.hand_over``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from rollout_bus.events.registry import EngineRecord
 
 log = logging.getLogger(__name__)
 
-FILE_NAME = "launched.json"
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,9 @@ class Launched:
             self._engines = _load(path)
 
     @classmethod
-    def in_dir(cls, log_dir: str | None) -> Launched:
-        return cls(Path(log_dir) / FILE_NAME if log_dir else None)
+    def in_dir(cls, log_dir: str | None, instance: str) -> Launched:
+        """The record of ``instance`` in ``log_dir``; only in memory without a log directory."""
+        return cls(Path(log_dir) / f"launched-{_safe(instance)}.json" if log_dir else None)
 
     def add(self, engine_id: str, url: str, pid: int) -> None:
         self._engines[engine_id] = LaunchedEngine(engine_id, url, pid)
@@ -89,6 +90,10 @@ class Launched:
             os.replace(tmp, self.path)
         except OSError as exc:  # the in-memory record still serves this process
             log.warning("cannot record launched engines in %s: %s", self.path, exc)
+
+
+def _safe(instance: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in instance) or "_"
 
 
 def _load(path: Path) -> dict[str, LaunchedEngine]:

@@ -14,9 +14,9 @@ records the owner that got the number (``<key>:fence:holder``), so a registry wr
 token from another owner is refused too. A leader that meets an engine whose highest token is
 above its own (Redis restarted empty, or lost the tail of its log) calls ``raise_above``: while it
 still holds the lease, the counter goes past every highest seen in one script, and the leader
-takes that number (``controller.runner``). Taking, raising, renewing and releasing are followed by
+takes that number (``controller.runner``). Taking the lease and raising the counter are followed by
 ``WAIT`` under Sentinel (``events.connection.durability``), as every durable write is: a failover
-cannot hand a standby a counter older than a token an engine already saw.
+cannot hand a standby a counter older than a token an engine already saw, nor a lease nobody took.
 
 Renewals get a short reconnect budget (a third of the lease): a leader that cannot renew
 must notice in time to step down (``controller.runner``), not retry for a minute. A lease
@@ -156,11 +156,13 @@ class Lease:
         return token
 
     def renew(self) -> bool:
-        """Extend the lease only if we still hold it."""
-        return bool(self._durable("lease renewal", self._extend, [self.key], [self.owner, self.ttl_ms]))
+        """Extend the lease only if we still hold it. Not waited for: a renewal a failover loses only shortens the
+        lease, and the token it carries is already durable; a replica late to answer must not depose the leader."""
+        return bool(self.guard.call(lambda c: self._extend(keys=[self.key], args=[self.owner, self.ttl_ms],
+                                                           client=c)))
 
     def release(self) -> bool:
-        released = bool(self._durable("lease release", self._release, [self.key], [self.owner]))
+        released = bool(self.guard.call(lambda c: self._release(keys=[self.key], args=[self.owner], client=c)))
         if released:
             log.info("lease %s released by %s", self.key, self.owner)
         return released

@@ -20,8 +20,9 @@ empty, or without the tail of its log) and an engine saw a token the counter no 
 The counter is raised past every highest seen, in the same script that checks the lease, and
 the runner takes over again at once with the new token: the service is stopped without
 touching the engines and a new one adopts them (``controller.launched`` names the engines
-this process launched when the registry no longer does). More than ``MAX_RETAKES`` such
-retakes within ten leases mean something else keeps raising tokens: it steps down instead.
+this process launched when the registry no longer does). ``MAX_RETAKES`` such retakes within
+ten leases mean something else keeps raising tokens: it steps down instead, releases the lease
+and waits a lease before it tries again.
 
 A leader that steps down hands its engines over: the next leader adopts them from the
 registry. An engine the registry does not list with its pid (Redis lost it) could never be
@@ -78,6 +79,7 @@ class LeaderRunner:
         self.step_downs = 0
         self.retakes: list[float] = []
         """``time.monotonic()`` of each takeover with a raised fencing token."""
+        self.cooling = False
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set: stand by, lead, and stand by again if the lease is lost."""
@@ -139,6 +141,11 @@ class LeaderRunner:
                 with contextlib.suppress(BusError):  # unreleased, it lapses by itself
                     await asyncio.to_thread(self.lease.release)
             self.service = None
+        if self.cooling:  # something keeps raising tokens: let another controller try, then try again
+            self.cooling = False
+            with contextlib.suppress(BusError):
+                await asyncio.to_thread(self.lease.release)
+            await _wait(stop, self.ttl_s)
         if self.lost.is_set():
             await self.hand_over()
         elif not stop.is_set() and not retake:
@@ -151,8 +158,9 @@ class LeaderRunner:
         now = time.monotonic()
         self.retakes = [t for t in self.retakes if now - t < 10 * self.ttl_s]
         if len(self.retakes) >= MAX_RETAKES:
-            log.error("fenced again after %d takeovers with a raised token within %.0fs: stepping down",
-                      len(self.retakes), 10 * self.ttl_s)
+            log.error("fenced again after %d takeovers with a raised token within %.0fs: stepping down and "
+                      "releasing the lease for a lease's time", len(self.retakes), 10 * self.ttl_s)
+            self.cooling = True
             return False
         try:
             token = await asyncio.to_thread(self.lease.raise_above, max(highest, self.lease.token or 0))

@@ -54,7 +54,8 @@ def parse_adapter_name(name: str) -> tuple[str, int] | None:
 FENCED = "FENCED"
 GENERATION = REGISTRY_GENERATION
 _GENERATION_BYTES = GENERATION.encode()
-# KEYS[1] fencing counter, KEYS[2] hash, KEYS[3] fence holder; ARGV[1] token, ARGV[2] 'set' or 'del', ARGV[3] the
+# KEYS[1] fencing counter, KEYS[2] hash, KEYS[3] fence holder; ARGV[1] token, ARGV[2] 'set', 'del' or 'check' (refuse
+# or pass, write nothing), ARGV[3] the
 # writer's lease owner ('' for none), ARGV[4..] fields (and values).
 _FENCED_WRITE = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -65,6 +66,9 @@ end
 if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then
   return redis.error_reply('FENCED token ' .. ARGV[1] .. ' is not the one the current holder took (counter ' .. current ..
                            '): another controller took this number, or Redis lost it')
+end
+if ARGV[2] == 'check' then
+  return 0
 end
 local n
 if ARGV[2] == 'del' then
@@ -207,6 +211,12 @@ class Registry:
             self.guard.call(send)
         else:
             self._run_fenced(self.keys.engine_registry, "del", [engine_id], None)
+
+    def check_fence(self) -> None:
+        """Raise ``Fenced`` where a fenced write would be refused now, writing nothing; no-op when unfenced.
+        Sent just before an event that has no record of its own (the event's script carries no token)."""
+        if self._fenced is not None:
+            self._run_fenced(self.keys.engine_registry, "check", [], None)
 
     def engines(self) -> dict[str, EngineRecord]:
         return {rec.engine_id: rec for rec in self._read(self.keys.engine_registry, EngineRecord.unpack, "engine")}

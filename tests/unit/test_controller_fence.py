@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import fakeredis
 import pytest
 import redis
 from aiohttp import web
 
+from rollout_bus.controller.config import ControllerConfig
 from rollout_bus.controller.lease import MAX_TOKEN, Lease
 from rollout_bus.controller.runner import LeaderRunner
+from rollout_bus.controller.service import InferenceController
 from rollout_bus.engine.http_client import EngineClient, EngineHTTPError, close_shared_session
 from rollout_bus.events.embedded import free_port
 from rollout_bus.events.errors import Fenced, ReplicationTimeout
@@ -84,9 +87,9 @@ def test_lease_and_fence_writes_wait_for_the_replicas(redis_client: redis.Redis,
     with pytest.raises(ReplicationTimeout, match="lease"):
         a.try_acquire()
     assert redis_client.get(keys.controller_lease) == b"a"  # on the primary, but not confirmed
-    for write in (a.renew, lambda: a.raise_above(5), a.release):
-        with pytest.raises(ReplicationTimeout):
-            write()
+    with pytest.raises(ReplicationTimeout, match="fence raise"):
+        a.raise_above(5)
+    assert a.renew() and a.release()  # a renewal is not waited for: a late replica must not depose the leader
 
 
 def fenced_engine(body: dict[str, object]) -> tuple[web.AppRunner, str]:
@@ -182,3 +185,50 @@ def test_a_fence_refusal_after_the_lease_was_taken_makes_the_leader_step_down(
     log, runner = asyncio.run(scenario())
     assert log == ["start token=1", "stop engines=False"]
     assert runner.step_downs == 1 and runner.retakes == [] and client.get(keys.controller_lease) == b"other"
+
+
+def test_a_fenced_controller_neither_fails_nor_restarts_an_engine_nor_writes(tmp_path: Path) -> None:
+    """A fence refusal spends no restart budget: once fenced, nothing is marked, restarted or written."""
+    config = ControllerConfig(namespace="unit", num_engines=1, model_path=str(tmp_path),
+                              weights_root=str(tmp_path), log_dir=str(tmp_path / "logs"))
+
+    async def scenario() -> tuple[EngineState, int, list[str]]:
+        ctl = InferenceController(config, fakeredis.FakeRedis(), fence=1, holder="me")
+        h = ctl.lifecycle.new_handle("engine-0", "http://127.0.0.1:9", managed=True, state=EngineState.SERVING)
+        ctl.fenced.set()  # an engine answered 409 fenced
+        await ctl.lifecycle.fail(h, "health check failed 3 times: HTTP 409: fenced")
+        h.record.state = EngineState.UNHEALTHY
+        await ctl.lifecycle.restart(h)
+        refused = []
+        try:
+            await ctl.core.save(h)
+        except Fenced as exc:
+            refused.append(str(exc))
+        await close_shared_session()
+        return h.state, h.restart_attempts, refused
+
+    state, attempts, refused = asyncio.run(scenario())
+    assert state == EngineState.UNHEALTHY and attempts == 0 and len(refused) == 1
+
+
+def test_a_leader_fenced_again_and_again_stops_chasing_the_token_and_lets_the_lease_go(
+        client: redis.Redis, keys: Keys) -> None:
+    """Something that keeps raising tokens (a caller holding the engine key) gets three takeovers, not a loop."""
+    async def scenario() -> tuple[list[str], LeaderRunner, bytes | None]:
+        log: list[str] = []
+        me = Lease(client, keys.controller_lease, "me", 0.6)
+        runner = LeaderRunner(me, lambda: FencedService(log, me, (me.token or 0) + 100, []), 0.6)
+        stop = asyncio.Event()
+        task = asyncio.create_task(runner.run(stop))
+        await asyncio.wait_for(runner.lost.wait(), 10)
+        await asyncio.sleep(0.2)  # within the lease's wait that follows
+        holder = client.get(keys.controller_lease)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        return log, runner, holder
+
+    log, runner, holder = asyncio.run(scenario())
+    assert log[:8] == ["start token=1", "stop engines=False", "start token=102", "stop engines=False",
+                       "start token=203", "stop engines=False", "start token=304", "stop engines=False"]
+    assert len(runner.retakes) == 3 and runner.step_downs == 1
+    assert holder is None  # released for another controller to try
