@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, ClassVar
 
 from rollout_bus.events import processes
+from rollout_bus.events.embedded import free_port
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class LaunchSpec:
     base_gpu_id: int = 0
     advertise_host: str = ""
     """The address the engine registers under (other hosts reach it there); "": ``host``."""
+    inner_port: int = 0
+    """Where an engine behind a guard listens on loopback (0: a free port when the command is built)."""
 
     @property
     def url(self) -> str:
@@ -85,14 +88,31 @@ class CpuBackend(Backend):
 class SglangBackend(Backend):
     """``sglang.launch_server`` for GPU hosts: memory saver on so offload/onload work, GPUs placed per
     engine (``--base-gpu-id``, ``--tp-size``), LoRA on when adapter policies are served (SGLang needs
-    ``--max-lora-rank`` and ``--lora-target-modules`` when no ``--lora-paths`` are given at launch)."""
+    ``--max-lora-rank`` and ``--lora-target-modules`` when no ``--lora-paths`` are given at launch).
+
+    SGLang ignores the fencing header, so each engine runs behind a guard (``engine.guard``) that listens
+    on the engine's port and refuses a deposed controller's control calls; SGLang itself listens on a
+    loopback port of its own (``inner_port``, a free one when not given) and is the guard's child."""
 
     name: ClassVar[str] = "sglang"
     memory_saver: bool = True
+    guard: bool = True
 
     def command(self, spec: LaunchSpec) -> list[str]:
+        if not self.guard:
+            return self.engine_command(spec)
+        inner = spec.inner_port or free_port()
+        cmd = [spec.python, "-m", "rollout_bus.engine.guard", "--host", spec.host, "--port", str(spec.port),
+               "--upstream-port", str(inner)]
+        if spec.api_key:
+            cmd += ["--api-key", spec.api_key]
+        return [*cmd, "--", *self.engine_command(spec, host="127.0.0.1", port=inner)]
+
+    def engine_command(self, spec: LaunchSpec, *, host: str | None = None, port: int | None = None) -> list[str]:
+        """SGLang's own command line (on ``host``:``port``, the spec's when not given)."""
         cmd = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path,
-               "--host", spec.host, "--port", str(spec.port), "--weight-version", str(spec.weight_version),
+               "--host", host or spec.host, "--port", str(port or spec.port),
+               "--weight-version", str(spec.weight_version),
                "--tp-size", str(spec.tp_size), "--base-gpu-id", str(spec.base_gpu_id)]
         if self.memory_saver and "--enable-memory-saver" not in spec.extra_args:
             cmd.append("--enable-memory-saver")
