@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 UNFLUSHED_PREFIX = "Weights were updated, but the cache was not flushed"
-UNKNOWN_ADAPTER_MARK = "has never been loaded"
+UNKNOWN_ADAPTER_MARKS = ("has never been loaded", "Failed to implicitly load LoRA adapter")
+"""SGLang's 400s for a ``lora_path`` it does not hold (``TokenizerManager._resolve_lora_path``): a name it
+never loaded, and one it unloaded and could not load again (its files are gone)."""
 FENCE_HEADER = "X-Rollout-Bus-Fence"
 """The controller's fencing token on every call it makes; the CPU engine refuses (409) one older than the
 highest it has seen (SGLang ignores the header)."""
@@ -67,8 +69,8 @@ class EngineHTTPError(Failure):
 
     @property
     def unknown_adapter(self) -> bool:
-        """A 400 for a ``lora_path`` the engine has not loaded (or is unloading)."""
-        return self.status == 400 and UNKNOWN_ADAPTER_MARK in self.message
+        """A 400 for a ``lora_path`` the engine has not loaded (or unloaded, and cannot load again)."""
+        return self.status == 400 and any(mark in self.message for mark in UNKNOWN_ADAPTER_MARKS)
 
     @property
     def fenced(self) -> bool:
