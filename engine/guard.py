@@ -154,7 +154,7 @@ async def serve(args: argparse.Namespace, command: list[str]) -> int:
             log.info("engine pid %d behind the guard on port %d", child.pid, args.port)
         await web.TCPSite(runner, args.host, args.port).start()
         log.info("guard on %s:%d in front of %s", args.host, args.port, upstream)
-        waiters = [asyncio.ensure_future(stop.wait())]
+        waiters: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
         if child is not None:
             waiters.append(asyncio.ensure_future(child.wait()))
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

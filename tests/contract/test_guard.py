@@ -4,7 +4,6 @@ calls, health checks and ``/generate`` go through."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
