@@ -11,6 +11,7 @@ engine a previous controller started (known only by pid).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -63,6 +64,14 @@ class Backend:
     def command(self, spec: LaunchSpec) -> list[str]:
         raise NotImplementedError
 
+    def prepare(self, spec: LaunchSpec) -> LaunchSpec:
+        """The spec as it will be launched (a backend may pick ports of its own)."""
+        return spec
+
+    def generate_url(self, spec: LaunchSpec) -> str:
+        """Where executors send ``/generate`` to this engine; "": its url."""
+        return ""
+
 
 class CpuBackend(Backend):
     """The project's CPU engine (``engine.server``): a Hugging Face model or the tiny LM."""
@@ -91,8 +100,10 @@ class SglangBackend(Backend):
     ``--max-lora-rank`` and ``--lora-target-modules`` when no ``--lora-paths`` are given at launch).
 
     SGLang ignores the fencing header, so each engine runs behind a guard (``engine.guard``) that listens
-    on the engine's port and refuses a deposed controller's control calls; SGLang itself listens on a
-    loopback port of its own (``inner_port``, a free one when not given) and is the guard's child."""
+    on the engine's port (its registry url, where every controller call goes) and refuses a deposed
+    controller's control calls; SGLang itself is the guard's child on a port of its own (``inner_port``),
+    where executors send ``/generate`` directly (``EngineRecord.generate_url``), so the guard costs the
+    hot path nothing."""
 
     name: ClassVar[str] = "sglang"
     memory_saver: bool = True
@@ -102,11 +113,18 @@ class SglangBackend(Backend):
         if not self.guard:
             return self.engine_command(spec)
         inner = spec.inner_port or free_port()
+        reach = "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host  # where the guard finds SGLang
         cmd = [spec.python, "-m", "rollout_bus.engine.guard", "--host", spec.host, "--port", str(spec.port),
-               "--upstream-port", str(inner)]
+               "--upstream-host", reach, "--upstream-port", str(inner)]
         if spec.api_key:
             cmd += ["--api-key", spec.api_key]
-        return [*cmd, "--", *self.engine_command(spec, host="127.0.0.1", port=inner)]
+        return [*cmd, "--", *self.engine_command(spec, port=inner)]
+
+    def prepare(self, spec: LaunchSpec) -> LaunchSpec:
+        return dataclasses.replace(spec, inner_port=spec.inner_port or free_port()) if self.guard else spec
+
+    def generate_url(self, spec: LaunchSpec) -> str:
+        return f"http://{spec.advertise_host or spec.host}:{spec.inner_port}" if self.guard else ""
 
     def engine_command(self, spec: LaunchSpec, *, host: str | None = None, port: int | None = None) -> list[str]:
         """SGLang's own command line (on ``host``:``port``, the spec's when not given)."""

@@ -1,6 +1,7 @@
 """The fence in front of an engine that does not read it: SGLang ignores ``X-Rollout-Bus-Fence``.
 
-A small HTTP proxy on the engine's registered port, with the engine behind it on a loopback port.
+A small HTTP proxy on the engine's registered port (where every controller call goes), with the
+engine behind it on a port of its own (where executors may send ``/generate`` directly).
 Control routes (everything but ``/generate`` and the open routes) get the CPU engine's fence: once
 the API key is checked (SGLang's own 401 when it is wrong), a call whose token is older than the
 highest seen is answered 409 (``{"success": false, "fenced": true, "highest": H, "message":
@@ -126,8 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     p.add_argument("--host", default="127.0.0.1", help="where the guard listens")
     p.add_argument("--port", type=int, required=True, help="the engine's registered port: the guard's")
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--upstream-port", type=int, help="the engine's port on 127.0.0.1 (with an engine command)")
+    target.add_argument("--upstream-port", type=int, help="the engine's own port (with an engine command)")
     target.add_argument("--upstream", help="the URL of a server someone else runs (no engine command)")
+    p.add_argument("--upstream-host", default="127.0.0.1", help="the engine's address (with --upstream-port)")
     p.add_argument("--api-key", default=None, help="the engines' API key (checked before the fence)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -139,7 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
 
 
 async def serve(args: argparse.Namespace, command: list[str]) -> int:
-    upstream = args.upstream or f"http://127.0.0.1:{args.upstream_port}"
+    upstream = args.upstream or f"http://{args.upstream_host}:{args.upstream_port}"
     runner = web.AppRunner(build_guard_app(upstream, api_key=args.api_key), handler_cancellation=True,
                            access_log=None)
     await runner.setup()

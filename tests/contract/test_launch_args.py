@@ -42,7 +42,8 @@ def engine_argv(config: ControllerConfig, engine_id: str, port: int) -> list[str
     assert (guard.port, guard.upstream_port, guard.api_key) == (port, port + 1000, config.engine_api_key)
     assert engine == cmd[at + 1:] and engine[:3] == [sys.executable, "-m", "sglang.launch_server"]
     argv = cmd[at + 4:]
-    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == str(port + 1000)
+    assert argv[argv.index("--host") + 1] == spec.host and argv[argv.index("--port") + 1] == str(port + 1000)
+    assert SglangBackend().generate_url(spec) == f"http://{spec.advertise_host or spec.host}:{port + 1000}"
     argv[argv.index("--port") + 1] = str(port)  # so that the checks below read the engine's own port
     return argv
 

@@ -147,6 +147,13 @@ def test_a_live_run_exports_imports_replays_and_retrains_to_the_same_numbers(
         assert exported["payloads"] == STEPS and exported["missing_payloads"] == []
         assert "ok: no violations" in cli(capsys, "verify", str(path))  # every sample's version checked too
         assert verify_log(path) == []
+        with LogReader(path) as reader:  # every producer's events numbered 1..n: none lost, none doubled
+            numbers_of: dict[str, list[int]] = {}
+            for item in reader.events():
+                numbers_of.setdefault(str(item.event.producer), []).append(item.event.seq)
+        assert {"controller", "executor", "trainer"} <= {p.split("/")[0] for p in numbers_of}
+        assert {p: sorted(n) for p, n in numbers_of.items()} == {p: list(range(1, len(n) + 1))
+                                                                for p, n in numbers_of.items()}
         with LogReader(path) as reader:
             assert plain(timeline(reader.events()).to_dict()) == live
         with LogReader(path) as reader:  # the timeline picture too: same data live and exported
