@@ -213,6 +213,7 @@ class InferenceController:
         h.record.backend = engine.backend
         h.record.versions = dict(engine.versions)
         h.record.offloaded_tags = list(engine.offloaded_tags)
+        h.record.generate_url = engine.generate_url
         if not wanted:
             await self.lifecycle.stop(h, "no longer in the controller's configuration", kill=True)
             return
