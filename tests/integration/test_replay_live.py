@@ -11,6 +11,8 @@ the same weights, which are the live trainer's final weights.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -213,8 +215,10 @@ def test_a_weight_applied_in_the_same_millisecond_as_the_serving_announcement_co
     ctrl = s.Producer("controller", "c-0")
     client = connect(source.url)
     try:
-        def add(stream: str, entry_id: str, event: s.Event) -> None:
-            client.xadd(stream, s.encode(event), id=entry_id)  # type: ignore[arg-type]
+        numbers = itertools.count(1)
+
+        def add(stream: str, entry_id: str, event: s.Event) -> None:  # numbered as the publish script would
+            client.xadd(stream, s.encode(dataclasses.replace(event, seq=next(numbers))), id=entry_id)  # type: ignore[arg-type]
         add(keys.weight_stream, "1000-0", s.WeightsPublished(producer=ctrl, policy=POLICY, version=1, uri="u",
                                                               sha256="ab" * 32))
         add(keys.engine_stream, "1001-0", s.EngineLaunching(producer=ctrl, engine_id="e0", url="u", backend="cpu"))
