@@ -11,6 +11,7 @@ engine a previous controller started (known only by pid).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import IO, ClassVar
 
 from rollout_bus.events import processes
+from rollout_bus.events.embedded import free_port
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class LaunchSpec:
     """The address the engine registers under (other hosts reach it there); "": ``host``."""
     weights_root: str = ""
     """Where published weights live: a CPU engine loads over HTTP only from there (``--weights-root``)."""
+    inner_port: int = 0
+    """Where an engine behind a guard listens on loopback (0: a free port when the command is built)."""
 
     @property
     def url(self) -> str:
@@ -61,6 +65,14 @@ class Backend:
 
     def command(self, spec: LaunchSpec) -> list[str]:
         raise NotImplementedError
+
+    def prepare(self, spec: LaunchSpec) -> LaunchSpec:
+        """The spec as it will be launched (a backend may pick ports of its own)."""
+        return spec
+
+    def generate_url(self, spec: LaunchSpec) -> str:
+        """Where executors send ``/generate`` to this engine; "": its url."""
+        return ""
 
 
 class CpuBackend(Backend):
@@ -89,14 +101,40 @@ class CpuBackend(Backend):
 class SglangBackend(Backend):
     """``sglang.launch_server`` for GPU hosts: memory saver on so offload/onload work, GPUs placed per
     engine (``--base-gpu-id``, ``--tp-size``), LoRA on when adapter policies are served (SGLang needs
-    ``--max-lora-rank`` and ``--lora-target-modules`` when no ``--lora-paths`` are given at launch)."""
+    ``--max-lora-rank`` and ``--lora-target-modules`` when no ``--lora-paths`` are given at launch).
+
+    SGLang ignores the fencing header, so each engine runs behind a guard (``engine.guard``) that listens
+    on the engine's port (its registry url, where every controller call goes) and refuses a deposed
+    controller's control calls; SGLang itself is the guard's child on a port of its own (``inner_port``),
+    where executors send ``/generate`` directly (``EngineRecord.generate_url``), so the guard costs the
+    hot path nothing."""
 
     name: ClassVar[str] = "sglang"
     memory_saver: bool = True
+    guard: bool = True
 
     def command(self, spec: LaunchSpec) -> list[str]:
+        if not self.guard:
+            return self.engine_command(spec)
+        inner = spec.inner_port or free_port()
+        reach = "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host  # where the guard finds SGLang
+        cmd = [spec.python, "-m", "rollout_bus.engine.guard", "--host", spec.host, "--port", str(spec.port),
+               "--upstream-host", reach, "--upstream-port", str(inner)]
+        if spec.api_key:
+            cmd += ["--api-key", spec.api_key]
+        return [*cmd, "--", *self.engine_command(spec, port=inner)]
+
+    def prepare(self, spec: LaunchSpec) -> LaunchSpec:
+        return dataclasses.replace(spec, inner_port=spec.inner_port or free_port()) if self.guard else spec
+
+    def generate_url(self, spec: LaunchSpec) -> str:
+        return f"http://{spec.advertise_host or spec.host}:{spec.inner_port}" if self.guard else ""
+
+    def engine_command(self, spec: LaunchSpec, *, host: str | None = None, port: int | None = None) -> list[str]:
+        """SGLang's own command line (on ``host``:``port``, the spec's when not given)."""
         cmd = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path,
-               "--host", spec.host, "--port", str(spec.port), "--weight-version", str(spec.weight_version),
+               "--host", host or spec.host, "--port", str(port or spec.port),
+               "--weight-version", str(spec.weight_version),
                "--tp-size", str(spec.tp_size), "--base-gpu-id", str(spec.base_gpu_id)]
         if self.memory_saver and "--enable-memory-saver" not in spec.extra_args:
             cmd.append("--enable-memory-saver")

@@ -115,19 +115,21 @@ class Lifecycle:
         h.record.versions, h.record.adapters = versions, adapters
 
     # --- launching ---------------------------------------------------------------------------
-    def _spawn_process(self, engine_id: str) -> tuple[ProcessHandle, str]:
+    def _spawn_process(self, engine_id: str) -> tuple[ProcessHandle, str, str]:
+        """The engine's process, its url, and where executors send ``/generate`` ("": the url)."""
         if self._addresses is None:  # resolved once: the route to Redis does not change under a controller
             self._addresses = self.core.config.engine_addresses()
             log.info("engines listen on %s and register as %s", *self._addresses)
-        spec = launch_spec(self.core.config, engine_id, free_port(), self._addresses)
+        spec = self.backend.prepare(launch_spec(self.core.config, engine_id, free_port(), self._addresses))
         process = launch(self.backend, spec, self.core.log_dir)
         self.core.launched.add(engine_id, spec.url, process.pid)  # known here even if Redis loses it
-        return process, spec.url
+        return process, spec.url, self.backend.generate_url(spec)
 
     async def launch(self, engine_id: str) -> EngineHandle:
         """Start a new engine and bring it up; returns its handle whatever the outcome."""
-        process, url = self._spawn_process(engine_id)
+        process, url, generate_url = self._spawn_process(engine_id)
         h = self.new_handle(engine_id, url, managed=True, process=process)
+        h.record.generate_url = generate_url
         async with self.core.operate(h):
             await self.core.save(h, self.core.event(
                 EngineLaunching, engine_id=engine_id, url=h.record.url, backend=h.record.backend, managed=True))
@@ -238,7 +240,7 @@ class Lifecycle:
                     EngineRestarting, engine_id=h.engine_id, attempt=h.restart_attempts))
                 self.core.metrics.engine_restarts.inc()
                 try:
-                    h.process, h.record.url = self._spawn_process(h.engine_id)
+                    h.process, h.record.url, h.record.generate_url = self._spawn_process(h.engine_id)
                 except OSError as exc:
                     await self._mark_unhealthy(h, f"relaunch failed: {exc}")
                     continue

@@ -35,6 +35,7 @@ class KnownEngine:
     pid: int | None = None
     versions: dict[str, int] = field(default_factory=dict)
     offloaded_tags: list[str] = field(default_factory=list)
+    generate_url: str = ""
 
 
 def fold_engine_log(events: Iterable[Event]) -> dict[str, KnownEngine]:
@@ -83,5 +84,5 @@ def merge_registry(known: dict[str, KnownEngine], records: Mapping[str, EngineRe
             out.pop(engine_id, None)
             continue
         out[engine_id] = KnownEngine(engine_id, rec.url, rec.backend, rec.managed, rec.state, rec.pid,
-                                     dict(rec.versions), list(rec.offloaded_tags))
+                                     dict(rec.versions), list(rec.offloaded_tags), rec.generate_url)
     return out

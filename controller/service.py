@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+from rollout_bus.controller.adapters import AdapterReconciler
 from rollout_bus.controller.backends import ProcessHandle, make_backend, pid_alive
 from rollout_bus.controller.bus import ControllerBus
 from rollout_bus.controller.config import OFFLOAD_TAGS, ControllerConfig
@@ -85,6 +86,7 @@ class InferenceController:
         self.lifecycle = Lifecycle(self.core, make_backend(config.backend),
                                    WeightUpdater(self.core, self._failed_in_update))
         self.updater = self.lifecycle.updater
+        self.adapters = AdapterReconciler(self.core)
         self.metrics_port = None
         self._loops = []
         self._stopping = None
@@ -249,6 +251,7 @@ class InferenceController:
         h.record.backend = engine.backend
         h.record.versions = dict(engine.versions)
         h.record.offloaded_tags = list(engine.offloaded_tags)
+        h.record.generate_url = engine.generate_url
         if not wanted:
             await self.lifecycle.stop(h, "no longer in the controller's configuration", kill=True)
             return
@@ -350,6 +353,10 @@ class InferenceController:
                 self.core.spawn(self._failed(h, f"health check failed {h.failures} times: {result.reason}"),
                                 f"fail-{h.engine_id}")
         await self.core.bus.put_engines(h.record for h in loaded)  # new loads: one round trip per health round
+        healthy = [candidates[r.engine_id] for r in results if r.ok and candidates[r.engine_id].state == S.SERVING]
+        for gone in await asyncio.gather(*(self.adapters.reconcile(h) for h in healthy)):
+            for policy in gone:  # an adapter the engine no longer holds: the next round loads it again
+                self.updater.wake(policy)
 
     async def _failed(self, h: EngineHandle, reason: str) -> None:
         await self.lifecycle.fail(h, reason)

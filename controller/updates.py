@@ -7,7 +7,8 @@ event says why) or makes it the policy's target. One worker per policy converges
 serving engines of the policy's pool to the target: each round pushes the target to
 every one that does not run it, in parallel, then announces. Full weights: pause with
 the configured mode, ``/update_weights_from_disk`` (with ``flush_cache`` off under an
-``in_place`` pause, whose held requests SGLang cannot flush), continue. An adapter:
+``in_place`` pause, whose held requests SGLang cannot flush; they are then retracted and
+``/flush_cache`` empties the prefix cache of the old weights' KV), continue. An adapter:
 ``/load_lora_adapter`` under ``<policy>@v<version>``, the registry switched to the new
 name, then the old name unloaded in the background (SGLang lets requests that use it
 finish; no gap, no pause). Rounds always read the newest target, so a newer version
@@ -337,7 +338,12 @@ class WeightUpdater:
     async def _load_weights(self, h: EngineHandle, target: Target, *, pause: bool) -> tuple[Status, str]:
         """Pause, ``/update_weights_from_disk``, continue. Under an ``in_place`` pause the held requests'
         cache cannot be flushed, so none is asked for; if SGLang still answers that the weights were
-        loaded but not flushed, they are in: the version is set with ``/update_weight_version``."""
+        loaded but not flushed, they are in: the version is set with ``/update_weight_version``.
+
+        The prefix cache still holds KV the old weights computed, and the held requests hold more:
+        before generation continues they are retracted (a ``retract`` pause over the ``in_place`` one:
+        their KV is recomputed under the new weights when they resume) and ``/flush_cache`` empties the
+        cache, so no request is ever served from the old weights' KV under the new version."""
         cfg = self.core.config
         client = h.client
         status: Status = "applied"
@@ -357,6 +363,9 @@ class WeightUpdater:
                              h.engine_id, target.policy, target.version)
                     await client.update_weight_version(target.version, abort_all_requests=False,
                                                        timeout_s=cfg.request_timeout_s)
+            if pause and cfg.pause_mode == "in_place" and status == "applied":
+                await client.pause_generation("retract", timeout_s=cfg.request_timeout_s)
+                await client.flush_cache(timeout_s=cfg.request_timeout_s)
             if pause:
                 await client.continue_generation(timeout_s=cfg.request_timeout_s)
         except EngineHTTPError as exc:

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 UNFLUSHED_PREFIX = "Weights were updated, but the cache was not flushed"
-UNKNOWN_ADAPTER_MARK = "has never been loaded"
+UNKNOWN_ADAPTER_MARKS = ("has never been loaded", "Failed to implicitly load LoRA adapter")
+"""SGLang's 400s for a ``lora_path`` it does not hold (``TokenizerManager._resolve_lora_path``): a name it
+never loaded, and one it unloaded and could not load again (its files are gone)."""
 FENCE_HEADER = "X-Rollout-Bus-Fence"
 _OLDER_THAN = re.compile(r"fenced: token -?\d+ is older than (\d{1,18})\b")
 """The controller's fencing token on every call it makes; the CPU engine refuses (409) one older than the
@@ -77,8 +79,8 @@ class EngineHTTPError(Failure):
 
     @property
     def unknown_adapter(self) -> bool:
-        """A 400 for a ``lora_path`` the engine has not loaded (or is unloading)."""
-        return self.status == 400 and UNKNOWN_ADAPTER_MARK in self.message
+        """A 400 for a ``lora_path`` the engine has not loaded (or unloaded, and cannot load again)."""
+        return self.status == 400 and any(mark in self.message for mark in UNKNOWN_ADAPTER_MARKS)
 
     @property
     def fenced(self) -> bool:

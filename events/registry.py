@@ -118,6 +118,8 @@ class EngineRecord:
     pid: int | None = None
     offloaded_tags: list[str] = field(default_factory=list)
     updated_ms: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
+    generate_url: str = ""
+    """Where executors send ``/generate`` when not to ``url`` (an SGLang engine behind its fence guard)."""
 
     def serves(self, policy: str) -> bool:
         return (self.state == EngineState.SERVING and policy in self.versions

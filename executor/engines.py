@@ -152,10 +152,12 @@ class EngineRouter:
         self._read_at = float("-inf")
 
     def client(self, record: EngineRecord) -> EngineClient:
-        client = self._clients.get(record.url)
+        """The client for the engine's ``/generate`` (straight to SGLang when it sits behind a guard)."""
+        url = record.generate_url or record.url
+        client = self._clients.get(url)
         if client is None:
-            client = self._clients[record.url] = EngineClient(record.url, timeout_s=self.config.call_timeout_s,
-                                                              api_key=self.config.api_key)
+            client = self._clients[url] = EngineClient(url, timeout_s=self.config.call_timeout_s,
+                                                       api_key=self.config.api_key)
         return client
 
 

@@ -274,7 +274,10 @@ class Recorder:
         self.released -= set(obj.tags or ALL_TAGS)
 
     async def flush_cache(self, timeout_s: Any = None) -> Any:
-        return FlushCacheReqOutput(success=self._idle(ignore_waiting=self.paused is not None))
+        """Scheduler.flush_cache: only when fully idle, waiting requests ignored while paused."""
+        success = self._idle(ignore_waiting=self.paused is not None)
+        self.calls.append(Call("flush_cache", None, {"timeout_s": timeout_s, "success": success}))
+        return FlushCacheReqOutput(success=success)
 
     # --- adapters ---------------------------------------------------------------------------------
     async def load_lora_adapter(self, obj: Any, request: Any = None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from rollout_bus.controller.backends import SglangBackend  # noqa: E402
 from rollout_bus.controller.config import ControllerConfig  # noqa: E402
 from rollout_bus.controller.lifecycle import launch_spec  # noqa: E402
+from rollout_bus.engine.guard import parse_args as guard_args  # noqa: E402
 from tests.contract.sglang_harness import config_only_model_dir  # noqa: E402
 
 
@@ -31,9 +33,19 @@ def server_args(argv: list[str]) -> ServerArgs:
 
 
 def engine_argv(config: ControllerConfig, engine_id: str, port: int) -> list[str]:
-    cmd = SglangBackend().command(launch_spec(config, engine_id, port))
-    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    return cmd[3:]
+    """SGLang's part of the command (behind the guard, on the loopback port the guard forwards to)."""
+    spec = dataclasses.replace(launch_spec(config, engine_id, port), inner_port=port + 1000)
+    cmd = SglangBackend().command(spec)
+    at = cmd.index("--")
+    guard, engine = guard_args(cmd[3:])
+    assert cmd[:3] == [sys.executable, "-m", "rollout_bus.engine.guard"]
+    assert (guard.port, guard.upstream_port, guard.api_key) == (port, port + 1000, config.engine_api_key)
+    assert engine == cmd[at + 1:] and engine[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    argv = cmd[at + 4:]
+    assert argv[argv.index("--host") + 1] == spec.host and argv[argv.index("--port") + 1] == str(port + 1000)
+    assert SglangBackend().generate_url(spec) == f"http://{spec.advertise_host or spec.host}:{port + 1000}"
+    argv[argv.index("--port") + 1] = str(port)  # so that the checks below read the engine's own port
+    return argv
 
 
 @pytest.fixture()

@@ -149,9 +149,11 @@ def test_a_full_weight_update_lands_with_the_version_and_no_lora_name_in_every_p
     assert outcome.status == "applied", outcome.reason
     assert replies[0]["meta_info"]["finish_reason"]["type"] == ("abort" if mode == "abort" else "length")
     methods = [c.method for c in harness.tm.calls if c.method not in ("generate_request", "abort_request")]
-    assert methods == ["pause_generation", "update_weights_from_disk", "continue_generation"]
-    pause, update = harness.tm.calls_of("pause_generation")[0].obj, harness.tm.calls_of("update_weights_from_disk")[0].obj
-    assert pause.mode == mode
+    flushed = ["pause_generation", "flush_cache"] if mode == "in_place" else []  # no old-weights KV left
+    assert methods == ["pause_generation", "update_weights_from_disk", *flushed, "continue_generation"]
+    assert [p.obj.mode for p in harness.tm.calls_of("pause_generation")] == [mode, *(["retract"] if flushed else [])]
+    assert all(c.kwargs["success"] for c in harness.tm.calls_of("flush_cache"))  # SGLang's app accepted it
+    update = harness.tm.calls_of("update_weights_from_disk")[0].obj
     body = plain(update)
     assert (body["model_path"], body["weight_version"], body["abort_all_requests"]) == (target.engine_path, str(version), False)
     assert body["flush_cache"] is (mode != "in_place") and "lora_name" not in body

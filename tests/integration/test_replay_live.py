@@ -11,6 +11,8 @@ the same weights, which are the live trainer's final weights.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -147,6 +149,13 @@ def test_a_live_run_exports_imports_replays_and_retrains_to_the_same_numbers(
         assert exported["payloads"] == STEPS and exported["missing_payloads"] == []
         assert "ok: no violations" in cli(capsys, "verify", str(path))  # every sample's version checked too
         assert verify_log(path) == []
+        with LogReader(path) as reader:  # every producer's events numbered 1..n: none lost, none doubled
+            numbers_of: dict[str, list[int]] = {}
+            for item in reader.events():
+                numbers_of.setdefault(str(item.event.producer), []).append(item.event.seq)
+        assert {"controller", "executor", "trainer"} <= {p.split("/")[0] for p in numbers_of}
+        assert {p: sorted(n) for p, n in numbers_of.items()} == {p: list(range(1, len(n) + 1))
+                                                                for p, n in numbers_of.items()}
         with LogReader(path) as reader:
             assert plain(timeline(reader.events()).to_dict()) == live
         with LogReader(path) as reader:  # the timeline picture too: same data live and exported
@@ -206,8 +215,10 @@ def test_a_weight_applied_in_the_same_millisecond_as_the_serving_announcement_co
     ctrl = s.Producer("controller", "c-0")
     client = connect(source.url)
     try:
-        def add(stream: str, entry_id: str, event: s.Event) -> None:
-            client.xadd(stream, s.encode(event), id=entry_id)  # type: ignore[arg-type]
+        numbers = itertools.count(1)
+
+        def add(stream: str, entry_id: str, event: s.Event) -> None:  # numbered as the publish script would
+            client.xadd(stream, s.encode(dataclasses.replace(event, seq=next(numbers))), id=entry_id)  # type: ignore[arg-type]
         add(keys.weight_stream, "1000-0", s.WeightsPublished(producer=ctrl, policy=POLICY, version=1, uri="u",
                                                               sha256="ab" * 32))
         add(keys.engine_stream, "1001-0", s.EngineLaunching(producer=ctrl, engine_id="e0", url="u", backend="cpu"))

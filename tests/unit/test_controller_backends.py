@@ -19,7 +19,7 @@ def flag(cmd: list[str], name: str) -> str:
 
 
 def test_sglang_command_launches_the_server_module_with_model_host_port_and_version() -> None:
-    cmd = SglangBackend().command(spec(extra_args=("--tp", "2")))
+    cmd = SglangBackend(guard=False).command(spec(extra_args=("--tp", "2")))
     assert cmd[:3] == ["/usr/bin/python3", "-m", "sglang.launch_server"]
     assert flag(cmd, "--model-path") == "/models/qwen"
     assert flag(cmd, "--host") == "127.0.0.1"
@@ -76,3 +76,17 @@ def test_lora_and_the_api_key_reach_both_backends_and_each_engine_gets_its_own_g
 def test_a_cpu_engine_gets_the_weights_root_it_may_load_from() -> None:
     assert flag(CpuBackend().command(spec(weights_root="/shared/weights")), "--weights-root") == "/shared/weights"
     assert "--weights-root" not in CpuBackend().command(spec())
+
+
+def test_sglang_runs_behind_its_fence_guard_which_takes_the_engines_port() -> None:
+    backend = SglangBackend()
+    launched = backend.prepare(spec(api_key="k"))
+    cmd = backend.command(launched)
+    at = cmd.index("--")
+    assert cmd[:3] == ["/usr/bin/python3", "-m", "rollout_bus.engine.guard"]
+    assert (flag(cmd[:at], "--port"), flag(cmd[:at], "--api-key")) == ("31000", "k")
+    assert flag(cmd[:at], "--upstream-port") == str(launched.inner_port) != "31000"
+    assert cmd[at + 1:at + 4] == ["/usr/bin/python3", "-m", "sglang.launch_server"]
+    assert flag(cmd[at:], "--port") == str(launched.inner_port)
+    assert backend.generate_url(launched) == f"http://127.0.0.1:{launched.inner_port}"
+    assert CpuBackend().generate_url(CpuBackend().prepare(spec())) == ""  # the CPU engine reads the fence itself

@@ -54,3 +54,10 @@ def test_registry_records_add_pids_and_win_over_the_log_and_stopped_ones_drop_ou
     assert sorted(merged) == ["engine-0", "engine-1"]
     assert (merged["engine-0"].pid, merged["engine-0"].state, merged["engine-0"].versions) == (
         42, S.SERVING, {"default": 5})
+
+
+def test_an_sglang_engines_generate_url_survives_a_controller_restart() -> None:
+    """Behind its fence guard an SGLang engine takes /generate on a port of its own: a new controller keeps it."""
+    records = {"engine-0": EngineRecord("engine-0", "http://h:1", S.SERVING, backend="sglang", pid=42,
+                                        generate_url="http://h:2")}
+    assert merge_registry({}, records)["engine-0"].generate_url == "http://h:2"

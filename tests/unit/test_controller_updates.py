@@ -61,6 +61,9 @@ class FakeEngine:
         self.calls.append("continue")
         return {}
 
+    async def flush_cache(self, **_: Any) -> None:
+        self.calls.append("flush")
+
     async def update_weights_from_disk(self, model_path: str, *, weight_version: Any = None,
                                        flush_cache: bool = True, **_: Any) -> dict[str, Any]:
         version = int(weight_version)
@@ -243,7 +246,7 @@ def test_an_in_place_pause_asks_for_no_flush_and_an_unflushed_400_still_counts_a
         return rig
 
     rig = run(scenario())
-    assert rig.fakes[0].calls == ["pause:in_place", "update:1:flush=False", "continue",
+    assert rig.fakes[0].calls == ["pause:in_place", "update:1:flush=False", "pause:retract", "flush", "continue",
                                   "pause:retract", "update:2:flush=True", "version:2:abort=False", "continue"]
     assert not rig.failed and rig.core.book.target("default").version == 2  # type: ignore[union-attr]
     assert [e.version for e in find(rig.weight_events(), WeightVersionServing)] == [1, 2]  # type: ignore[attr-defined]

@@ -101,3 +101,12 @@ def test_the_router_rereads_the_engine_records_only_after_a_registry_write(fake_
     assert asyncio.run(snapshots(5)) == ["a", "b", "c"] and len(reads) == 2  # a write: read once more
     registry.remove_engine("a")
     assert asyncio.run(snapshots(1)) == ["b", "c"] and len(reads) == 3
+
+
+def test_generate_goes_to_the_engines_generate_url_when_it_has_one(router: EngineRouter) -> None:
+    """An SGLang engine behind its fence guard: control calls go to ``url``, /generate straight to SGLang."""
+    guarded = EngineRecord("e0", "http://h:30000", EngineState.SERVING, generate_url="http://h:30001")
+    plain = EngineRecord.unpack(record("e1").pack())
+    assert router.client(guarded).url == "http://h:30001"
+    assert router.client(plain).url == plain.url
+    assert EngineRecord.unpack(guarded.pack()).generate_url == "http://h:30001"
