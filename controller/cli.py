@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  launched=launched),
                               config.lease_ttl_s, launched=launched, registry=Registry(client, keys))
         try:
-            with stop_on_bus_reset(client, Keys(config.namespace), "controller"):  # SIGTERM: stop is set
+            with stop_on_bus_reset(client, Keys(config.namespace), "controller", create=True):  # SIGTERM: stop is set
                 await runner.run(stop)
         finally:
             client.close()

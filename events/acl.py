@@ -80,14 +80,21 @@ def _consumer(stream: str, sent_by: str) -> tuple[Grant, ...]:
         Grant((_pattern(stream),), ("xreadgroup", "xack", "xautoclaim", "xclaim", "xgroup|create"), sent_by),
         Grant((_pattern(_K.registered_groups(stream)), _pattern(_K.group_hosts(stream))), ("sadd", "hset"),
               "register_group (events/consume.py)"),
-        Grant((_pattern(_K.group_beats(stream)),), ("zadd",), "Consumer.beat (events/consume.py)"),
+        Grant((_pattern(_K.group_beats(stream)), _pattern(_K.group_ttls(stream))), ("zadd", "hset"),
+              "the group's beat and its TTL, from the consumer's beat thread (events/consume.py, events/groups.py)"),
+        Grant((_pattern(_K.expired_groups(stream)),), ("hdel",),
+              "a consumer that recreated its expired group clears the janitor's record (events/consume.py)"),
     )
 
 
 def _publisher(streams: tuple[str, ...], dedupe: tuple[str, ...], sent_by: str) -> tuple[Grant, ...]:
-    """Publishing (events/publish.py, events/batches.py): XADD and the dedupe key, in one script."""
+    """Publishing (events/publish.py, events/batches.py): XADD, the dedupe key and the producer's sequence
+    number, in one script; a durable write that waits for its replicas says so in the durability status."""
     return (Grant(tuple(_pattern(s) for s in streams), ("xadd",), sent_by),
-            Grant(dedupe, ("set",), "the dedupe key of each publish (events/publish.py)"))
+            Grant(dedupe, ("set",), "the dedupe key of each publish (events/publish.py)"),
+            Grant((_pattern(_K.producer_seqs),), ("hset",), "each producer's last sequence number (events/publish.py)"),
+            Grant((_pattern(_K.durability_status),), ("hset", "hdel"),
+                  "a durable write waiting for its replicas (events/connection.py status_hook)"))
 
 
 def controller() -> Role:
@@ -101,12 +108,19 @@ def controller() -> Role:
         *_consumer(k.command_stream, "offload and onload commands (controller/bus.py)"),
         Grant((_pattern(k.engine_registry), _pattern(k.policy_registry)), ("hset", "hdel", "hincrby"),
               "the engine and policy registry (events/registry.py)"),
-        Grant((_pattern(k.controller_lease), _pattern(k.controller_fence)), ("set", "del", "pexpire", "incr"),
-              "the controller lease and its fencing counter (controller/lease.py)"),
+        Grant((_pattern(k.controller_lease), _pattern(k.controller_fence), _pattern(k.controller_fence_holder)),
+              ("set", "del", "pexpire", "incr"),
+              "the controller lease, its fencing counter and the counter's holder (controller/lease.py)"),
+        Grant((_pattern(k.bus_epoch),), ("set",), "the bus epoch, created once (events/epoch.py, controller/cli.py)"),
+        Grant((_stream_any(k.weight_stream),), ("del",),
+              "a publication refused for good may be announced again (controller/bus.py forget_publication)"),
         Grant((_pattern(k.prefix + ":stream:*"),), ("xtrim", "xgroup|destroy"),
               "the janitor: retention and expired groups (events/janitor.py, events/retention.py)"),
-        Grant((_pattern(k.registered_groups(k.prefix + ":" + _ANY)), _pattern(k.group_beats(k.prefix + ":" + _ANY))),
+        Grant((_pattern(k.registered_groups(k.prefix + ":" + _ANY)), _pattern(k.group_beats(k.prefix + ":" + _ANY)),
+               _pattern(k.group_ttls(k.prefix + ":" + _ANY))),
               ("srem", "zrem", "hdel"), "the janitor unregisters expired groups (events/janitor.py)"),
+        Grant((_pattern(k.expired_groups(k.prefix + ":" + _ANY)),), ("hset",),
+              "the janitor records where an expired group stood (events/groups.py)"),
         Grant((_pattern(k.payload(_ANY)), _pattern(k.payload_readers(_ANY))), ("del", "srem"),
               "the janitor's payload sweep and dropped readers (events/batches.py)"),
         Grant((_pattern(k.payload_index),), ("zrem",), "the payload sweep (events/batches.py)"),

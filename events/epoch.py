@@ -1,7 +1,8 @@
 """The bus epoch: how every role notices, within seconds, that Redis came back without the run's data.
 
 ``keys.bus_epoch`` holds a random id written once, when the namespace is first used (``BusEpoch.join``:
-``SET NX``, by the main job before it starts the roles, or by the first role of a deployment). A
+``SET NX``, by the main job before it starts the roles, or by the controller of a deployment: only
+a ``BusEpoch(create=True)`` writes it, the other roles read it and adopt the first one they see). A
 Redis restarted without persistence, a ``FLUSHALL`` or a failover to an empty replica loses it with
 everything else. ``BusEpoch.check`` compares it with the id seen at join and raises ``BusReset`` when
 it vanished or changed; ``EpochWatch`` does that from a thread every ``interval_s``
@@ -47,19 +48,20 @@ def check_interval_s() -> float:
 class BusEpoch:
     """The namespace's epoch as this process first saw it."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, guard: Guard | None = None) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, *, guard: Guard | None = None, create: bool = False) -> None:
         self.client = client
         self.keys = keys
+        self.create = create
         self.guard = guard or Guard(client, ReconnectPolicy(max_wait_s=5.0), name="bus epoch")
         self.value: str | None = None
 
     def join(self) -> str | None:
-        """The namespace's epoch, created if it has none (None: it has none and this user may not create it)."""
+        """The namespace's epoch, created if it has none and ``create`` (None: it has none yet)."""
         key = self.keys.bus_epoch
 
         def read_or_create(c: redis.Redis) -> str | None:
             raw = c.get(key)
-            if raw is None:
+            if raw is None and self.create:
                 try:
                     c.set(key, uuid.uuid4().hex, nx=True)
                 except redis.exceptions.NoPermissionError:
@@ -123,10 +125,10 @@ class stop_on_bus_reset:  # noqa: N801 (a context manager used as a statement)
     """Run a role's body; on a bus reset, stop it as SIGTERM would, then raise the ``BusReset``."""
 
     def __init__(self, client: redis.Redis, keys: Keys, role: str, *, grace_s: float = 30.0,
-                 interval_s: float | None = None) -> None:
+                 interval_s: float | None = None, create: bool = False) -> None:
         self.role = role
         self.grace_s = grace_s
-        self.watch = EpochWatch(BusEpoch(client, keys), self._stop_role, interval_s, role)
+        self.watch = EpochWatch(BusEpoch(client, keys, create=create), self._stop_role, interval_s, role)
 
     def _stop_role(self, exc: BusReset) -> None:
         log.error("%s: stopping: %s", self.role, exc)
@@ -153,6 +155,6 @@ def _hard_exit(role: str) -> None:
 
 def create_epoch(client: redis.Redis, keys: Keys) -> BusEpoch:
     """The main job's epoch, written before any role starts (``join``)."""
-    epoch = BusEpoch(client, keys)
+    epoch = BusEpoch(client, keys, create=True)
     epoch.join()
     return epoch

@@ -484,7 +484,7 @@ def test_the_controller_creates_the_bus_epoch_every_role_reads_it_and_writers_re
     keys = Keys("epoch")
     executor = BusEpoch(acl_server.client("executor"), keys)
     assert executor.join() is None  # not its to create (NOPERM is not an error): it adopts the first it sees
-    created = BusEpoch(acl_server.client("controller"), keys).join()
+    created = BusEpoch(acl_server.client("controller"), keys, create=True).join()
     assert created
     for role in ("executor", "trainer", "status"):
         assert BusEpoch(acl_server.client(role), keys).join() == created

@@ -35,7 +35,7 @@ def test_an_epoch_gone_or_replaced_is_a_bus_reset_that_names_the_namespace(
 def test_a_watch_reports_the_reset_from_its_thread_within_its_interval(fake_client: redis.Redis, keys: Keys) -> None:
     seen: list[BusReset] = []
     done = threading.Event()
-    watch = EpochWatch(BusEpoch(fake_client, keys), lambda exc: (seen.append(exc), done.set()), interval_s=0.02)
+    watch = EpochWatch(BusEpoch(fake_client, keys, create=True), lambda exc: (seen.append(exc), done.set()), interval_s=0.02)
     watch.start()
     try:
         fake_client.delete(keys.bus_epoch)
@@ -43,3 +43,16 @@ def test_a_watch_reports_the_reset_from_its_thread_within_its_interval(fake_clie
     finally:
         watch.stop()
     assert watch.reset is seen[0] and "is gone" in str(seen[0])
+
+
+def test_a_role_that_does_not_create_the_epoch_only_reads_it_and_adopts_the_first_it_sees(
+        fake_client: redis.Redis, keys: Keys) -> None:
+    reader = BusEpoch(fake_client, keys)  # an executor or trainer started before the controller
+    assert reader.join() is None and fake_client.get(keys.bus_epoch) is None
+    reader.check()  # none yet: nothing to compare
+    created = create_epoch(fake_client, keys)
+    reader.check()  # adopts it
+    assert reader.value == created.value
+    fake_client.delete(keys.bus_epoch)
+    with pytest.raises(BusReset):
+        reader.check()
