@@ -118,6 +118,9 @@ class ControllerBus:
         await self.call(lambda: self.publisher.forget(self.keys.weight_stream, publication_key(policy, version)))
 
     # --- reads ----------------------------------------------------------------------------
+    async def trainer_lease_owner(self, policy: str) -> str | None:
+        return await asyncio.to_thread(self.registry.trainer_lease_owner, policy)
+
     async def read_weights(self) -> list[Message]:
         return await asyncio.to_thread(self.weights.read)
 

@@ -51,7 +51,7 @@ from typing import Literal
 from rollout_bus.controller.core import Core
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.versions import Target
-from rollout_bus.controller.weights import BadWeights, reference_shapes, verify
+from rollout_bus.controller.weights import BadWeights, reference_shapes, verify, writer_problem
 from rollout_bus.engine.http_client import EngineHTTPError
 from rollout_bus.events.registry import EngineState, PolicyRecord, adapter_name
 from rollout_bus.events.schema import (
@@ -137,6 +137,10 @@ class WeightUpdater:
             await self._refuse(event, reason, per_engine=False)
         else:
             try:
+                problem = writer_problem(event.producer, event.policy,
+                                         await self.core.bus.trainer_lease_owner(event.policy))
+                if problem is not None:
+                    raise BadWeights(problem)
                 target = await asyncio.to_thread(verify, event.policy, event.version, event.uri, event.sha256,
                                                  self.root, self.reference)
                 self.check_servable(target)

@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlsplit
 
 from rollout_bus.controller.versions import Target
 from rollout_bus.events.errors import Failure
+from rollout_bus.events.schema import Producer
 from rollout_bus.lm.files import (
     ADAPTER_WEIGHTS_FILE,
     Shapes,
@@ -64,6 +65,22 @@ def shape_problems(reference: Shapes, candidate: Shapes, limit: int = 4) -> list
         if reference[name][1] != candidate[name][1]:
             problems.append(f"{name}: shape {list(candidate[name][1])}, expected {list(reference[name][1])}")
     return problems[:limit + 2]
+
+
+def writer_problem(producer: Producer, policy: str, lease_owner: str | None) -> str | None:
+    """Why ``producer`` may not publish ``policy``'s weights (None: it may).
+
+    Redis ACLs cannot scope the shared weights stream to one policy's trainer, so the reader checks
+    the writer: while a trainer holds the policy's lease (``lease_owner``, ``<trainer_id>/<dp_size>``),
+    only that trainer's producer (``<instance>-<trainer_id>``) publishes its versions. With no lease
+    (a replay, an operator's publish, a trainer that finished) the manifest check stands alone."""
+    if lease_owner is None:
+        return None
+    trainer_id = lease_owner.split("/", 1)[0]
+    if producer.role == "trainer" and producer.instance.endswith(f"-{trainer_id}"):
+        return None
+    return (f"published by {producer}, but the lease of policy {policy!r} is held by trainer {trainer_id!r}: "
+            "only the lease holder publishes the policy's versions")
 
 
 def reference_shapes(model_path: str) -> Shapes | None:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import msgpack
 import redis
 
-from rollout_bus.events.connection import Guard
+from rollout_bus.events.connection import Guard, as_str
 from rollout_bus.events.errors import Fenced, RedisCommandError
 from rollout_bus.events.names import REGISTRY_GENERATION, Keys
 
@@ -230,6 +230,12 @@ class Registry:
         """Write ``record`` (stamped now); queued on ``pipe`` when one is given, else sent at once."""
         record.updated_ms = time.time_ns() // 1_000_000
         self._put(self.keys.policy_registry, record.policy, record.pack(), pipe)
+
+    def trainer_lease_owner(self, policy: str) -> str | None:
+        """The trainer that holds ``policy``'s lease (``<trainer_id>/<dp_size>``, ``trainer.lease``), None when
+        none does (a lease that lapsed, was released, or never existed)."""
+        raw = self.guard.call(lambda c: c.hget(self.keys.trainer_lease(policy), "owner"))
+        return None if raw is None else as_str(raw)
 
     def policies(self) -> dict[str, PolicyRecord]:
         return {rec.policy: rec for rec in self._read(self.keys.policy_registry, PolicyRecord.unpack, "policy")}

@@ -5,6 +5,7 @@ startup, never verified as weights)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,26 @@ def test_full_weights_of_a_policy_without_a_pool_are_refused_and_never_touch_the
     assert rig.core.engines["e0"].record.versions == {"default": 0}
     (failed,) = find(rig.weight_events(), WeightUpdateFailed, version=1)
     assert failed.policy == "math" and "--pool math=N" in failed.reason  # type: ignore[attr-defined]
+
+
+def test_while_a_trainer_holds_the_policy_lease_only_its_publications_are_applied(tmp_path: Path) -> None:
+    """The weights stream is shared by every trainer (no ACL can scope it to one policy), so the controller
+    checks the writer: another trainer's (or a forged) publication of a leased policy is refused."""
+    async def scenario() -> tuple[Rig, str | None, str | None]:
+        rig = Rig(tmp_path, n=1)
+        rig.client.hset(rig.keys.trainer_lease("default"), mapping={"owner": "trainer-0/1", "r0": "tok|9|h:1"})
+        forged = rig.publication(1)
+        forged = dataclasses.replace(forged, producer=Producer("trainer", "host-7-trainer-other"))
+        refused = await rig.updater.submit(forged)
+        genuine = dataclasses.replace(rig.publication(2), producer=Producer("trainer", "host-7-trainer-0"))
+        applied = await rig.updater.submit(genuine)
+        await rig.settle()
+        await rig.close()
+        return rig, refused, applied
+
+    rig, refused, applied = run(scenario())
+    assert refused is not None and "held by trainer 'trainer-0'" in refused and "trainer-other" in refused
+    assert applied is None and rig.core.engines["e0"].record.versions == {"default": 2}
 
 
 def test_an_adapter_policy_is_loaded_under_versioned_names_the_new_one_before_the_old_one_goes(tmp_path: Path) -> None:
