@@ -16,6 +16,7 @@ signal would (SIGTERM to itself, so a controller stops its engines), then the bl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -108,6 +109,18 @@ class EpochWatch:
     def stop(self) -> None:
         self._stop.set()
 
+    def check_now(self) -> None:
+        """Check the epoch at once, not at the next interval: a role whose lease vanished asks whether Redis
+        lost everything, which is then the cause to report (``BusReset``)."""
+        try:
+            self.epoch.check()
+        except BusReset as exc:
+            self.reset = exc
+            log.error("%s: stopping: %s", self.name, exc)
+            raise
+        except BusError as exc:
+            log.debug("%s: bus epoch not checked: %s", self.name, exc)
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
@@ -143,6 +156,9 @@ class stop_on_bus_reset:  # noqa: N801 (a context manager used as a statement)
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.watch.stop()
+        if self.watch.reset is None:  # stopped before the watch's next check (the main job saw it first)
+            with contextlib.suppress(BusReset):
+                self.watch.check_now()  # so the role still says why the run stops
         if self.watch.reset is not None:
             log.error("%s: exiting: %s", self.role, self.watch.reset)
             raise BusReset(str(self.watch.reset)) from None

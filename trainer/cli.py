@@ -210,11 +210,14 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
     if setup is not None:
         setup(trainer)
     try:
-        with stop_on_bus_reset(client, Keys(config.namespace), "trainer"):  # SIGTERM: SystemExit, then stop
+        with stop_on_bus_reset(client, Keys(config.namespace), "trainer") as watch:  # SIGTERM: SystemExit, then stop
             try:
                 trainer.start()
                 state = trainer.run()
                 logging.getLogger("trainer").info("done: %d steps, version %d", state.step, state.version)
+            except LeaseLost:
+                watch.check_now()  # the lease went with the rest of Redis's data: that is the cause to report
+                raise
             finally:
                 trainer.stop()
     except LeaseLost as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -18,9 +19,11 @@ PRODUCER = Producer("test", "0")
 
 
 def publish(client: redis.Redis, keys: Keys, names: list[str]) -> tuple[list[str], list[Event]]:
+    """The entry ids and the events as they read back: the publish script numbers a producer's events 1, 2, ..."""
     pub = Publisher(client, keys, PRODUCER)
     events: list[Event] = [EngineReady(producer=PRODUCER, engine_id=n, url="u") for n in names]
-    return [pub.publish(keys.engine_stream, e) for e in events], events
+    ids = [pub.publish(keys.engine_stream, e) for e in events]
+    return ids, [dataclasses.replace(e, seq=i) for i, e in enumerate(events, 1)]
 
 
 def test_paging_from_an_id_yields_every_later_entry_in_order(redis_client: redis.Redis, keys: Keys) -> None:

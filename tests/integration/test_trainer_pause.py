@@ -141,6 +141,7 @@ def test_a_durable_leased_publish_waits_for_replicas_and_is_refused_once_the_lea
         redis_client: Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLOUT_BUS_WAIT_REPLICAS", "1")  # a lone server has none: every WAIT falls short
     monkeypatch.setenv("ROLLOUT_BUS_WAIT_TIMEOUT_MS", "20")
+    monkeypatch.setenv("ROLLOUT_BUS_WAIT_DEGRADED_S", "0")  # no degraded wait: the error at once
     publisher = Publisher(redis_client, keys, Producer("trainer", "a"))
     fence = LeaseFence(keys.trainer_lease("p0"), "r0", "tok-a")
     until = time.time_ns() // 1_000_000 + 60_000
