@@ -91,12 +91,7 @@ if #KEYS > 7 and redis.call('EXISTS', unpack(KEYS, 8)) < #KEYS - 7 then
   return redis.error_reply('PAYLOADLOST the payload of ' .. ARGV[4] .. ' is not in this Redis (a failover lost it)')
 end
 local fields = {unpack(ARGV, 7)}
-local slot = tonumber(ARGV[5])
-local n
-if slot > 0 then
-  n = next_seq(KEYS[7], ARGV[6])
-  fields[2] = with_seq(fields[2], slot, n)
-end
+local n = stamp_seq(fields, tonumber(ARGV[5]), KEYS[7], ARGV[6])
 local id
 if tonumber(ARGV[3]) > 0 then
   id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))

@@ -52,11 +52,17 @@ local function with_seq(raw, slot, n)
   end
   return string.sub(raw, 1, slot - 1) .. v .. string.sub(raw, slot + 1)
 end
+local function stamp_seq(fields, slot, seqs, producer)
+  if slot == 0 then return nil end
+  local n = next_seq(seqs, producer)
+  fields[2] = with_seq(fields[2], slot, n)
+  return n
+end
 """
-"""Lua shared by the publish scripts: a producer's next sequence number, and an encoded event with it
-written at its ``seq`` slot (``schema.seq_slot``: one byte, 0, replaced by the number as msgpack). The
-script sets the counter only after its XADD succeeded: a publish that fails or is deduplicated takes
-no number."""
+"""Lua shared by the publish scripts: ``stamp_seq`` writes a producer's next sequence number into the
+encoded event (``fields[2]``) at its ``seq`` slot (``schema.seq_slot``: one byte, 0, replaced by the
+number as msgpack) and returns it (nil for slot 0: no number). The script sets the counter only after
+its XADD succeeded: a publish that fails or is deduplicated takes no number."""
 
 # KEYS[1] stream, KEYS[2] producer sequences, KEYS[3] dedupe key (absent for none); ARGV[1] dedupe ttl s,
 # ARGV[2] maxlen (0 = none), ARGV[3] seq slot in ARGV[6] (0 = none), ARGV[4] producer, ARGV[5..] field,
@@ -67,12 +73,7 @@ if KEYS[3] then
   if prev then return prev end
 end
 local fields = {unpack(ARGV, 5)}
-local slot = tonumber(ARGV[3])
-local n
-if slot > 0 then
-  n = next_seq(KEYS[2], ARGV[4])
-  fields[2] = with_seq(fields[2], slot, n)
-end
+local n = stamp_seq(fields, tonumber(ARGV[3]), KEYS[2], ARGV[4])
 local id
 if tonumber(ARGV[2]) > 0 then
   id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(fields))
