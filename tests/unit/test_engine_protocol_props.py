@@ -57,7 +57,7 @@ def nesting(value: Any) -> int:
     return 0
 
 
-def check(body: dict[str, Any]) -> None:
+def check_parsed_or_refused(body: dict[str, Any]) -> None:
     try:
         parsed = parse_generate(body, LIMITS)
     except BadRequest as exc:
@@ -80,7 +80,7 @@ def check(body: dict[str, Any]) -> None:
 @example({"input_ids": [[1]] * 8, "sampling_params": {"n": 5}})
 @example({"text": ["1"] * 40})
 def test_generated_generate_bodies_are_parsed_or_refused_with_bad_request(body: dict[str, Any]) -> None:
-    check(body)
+    check_parsed_or_refused(body)
 
 
 @SETTINGS
@@ -113,4 +113,4 @@ def test_generated_json_of_any_depth_parses_and_checks_or_is_refused(value: Any,
         assert "nested too deeply" in str(exc) and nesting(json.loads(raw)) > MAX_JSON_DEPTH
         return
     assert nesting(body) <= MAX_JSON_DEPTH
-    check(body)
+    check_parsed_or_refused(body)

@@ -153,7 +153,7 @@ record_values = st.dictionaries(st.sampled_from(["kind", "stream", "id", "fields
                                 max_size=8)
 
 
-def read(tmp: Path, raw: bytes) -> None:
+def check_refused_or_read(tmp: Path, raw: bytes) -> None:
     path = tmp / "hostile.rblog"
     path.write_bytes(raw)
     try:
@@ -177,7 +177,7 @@ def test_hostile_records_after_a_valid_header_are_refused_or_read(tmp_path: Path
         raw += b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
     except (OverflowError, ValueError):
         return
-    read(tmp_path, raw + (msgpack.packb({"kind": "end"}) if end else b""))
+    check_refused_or_read(tmp_path, raw + (msgpack.packb({"kind": "end"}) if end else b""))
 
 
 @SETTINGS
@@ -189,7 +189,7 @@ def test_damaged_or_cut_valid_logs_are_refused_or_read(tmp_path: Path, data: st.
         for _ in range(data.draw(st.integers(1, 4))):
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
         raw = raw[:data.draw(st.integers(0, len(raw)))]
-    read(tmp_path, bytes(raw))
+    check_refused_or_read(tmp_path, bytes(raw))
 
 
 @SETTINGS
@@ -197,4 +197,4 @@ def test_damaged_or_cut_valid_logs_are_refused_or_read(tmp_path: Path, data: st.
 @example(b"\xdd\xff\xff\xff\xff")
 @example(b"\x91" * 2000)
 def test_random_bytes_after_a_valid_header_are_refused_or_read(tmp_path: Path, tail: bytes) -> None:
-    read(tmp_path, msgpack.packb(HEADER, use_bin_type=True) + tail)
+    check_refused_or_read(tmp_path, msgpack.packb(HEADER, use_bin_type=True) + tail)
