@@ -182,6 +182,9 @@ class Lifecycle:
         except EngineHTTPError as exc:
             await self._mark_unhealthy(h, f"engine stopped answering after it was ready: {exc.message}")
             return False
+        if h.engine_id in self.core.suspect_weights:  # it failed a weights check: what it reports is not proof
+            h.record.versions.pop(h.record.base_policy, None)
+            self.core.suspect_weights.discard(h.engine_id)
         outcome = await self.updater.catch_up(h)
         if outcome is not None:
             await self._mark_unhealthy(h, f"could not load the latest weights: {outcome.reason}")
