@@ -33,7 +33,7 @@ from rollout_bus.events.schema import (
     WeightsChecked,
     WeightVersionServing,
 )
-from rollout_bus.lm.files import tensors_digest
+from rollout_bus.lm.files import read_manifest, tensors_digest
 from rollout_bus.status import main as status_main
 from tests.engine_proc import EngineProcess, make_weights_dir
 from tests.support.controller_driver import (
@@ -43,6 +43,7 @@ from tests.support.controller_driver import (
     wait_until_async,
     write_version,
 )
+from tests.support.models import tiny_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -63,10 +64,17 @@ def engine(root: Path) -> Iterator[EngineProcess]:
     proc.stop()
 
 
-def config(keys: Keys, server: RedisServer, root: Path, engine: EngineProcess) -> ControllerConfig:
+@pytest.fixture
+def lora_engine(root: Path) -> Iterator[EngineProcess]:
+    proc = EngineProcess(root / "base", extra_args=["--api-key", KEY, "--weights-root", str(root), "--enable-lora"])
+    yield proc
+    proc.stop()
+
+
+def config(keys: Keys, server: RedisServer, root: Path, engine: EngineProcess, **kw: object) -> ControllerConfig:
     return ControllerConfig(namespace=keys.namespace, redis_url=server.url, num_engines=0, adopt_urls=[engine.url],
                             model_path=str(root / "base"), weights_root=str(root), health_interval_s=0.3,
-                            health_timeout_s=2.0, engine_api_key=KEY)
+                            health_timeout_s=2.0, engine_api_key=KEY, **kw)  # type: ignore[arg-type]
 
 
 def test_an_engine_given_other_weights_behind_the_controllers_back_fails_the_check_and_leaves_serving(
@@ -148,3 +156,34 @@ def test_checking_an_unknown_engine_fails_with_a_clear_message(
 
     asyncio.run(scenario())
     assert "unknown engine ids ['nope']" in capsys.readouterr().err
+
+
+def test_an_adapter_and_the_launch_weights_match_their_published_digests_after_an_update(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        lora_engine: EngineProcess) -> None:
+    adapter = tiny_adapter(root / "math" / "v3", seed=3, policy="math", version=3)
+    engine_id = adopted_engine_id(lora_engine.url)
+
+    async def scenario() -> list[WeightsChecked]:
+        ctl = InferenceController(config(keys, redis_server, root, lora_engine, enable_lora=True), redis_client)
+        await ctl.start()
+        try:
+            await ctl.wait_serving(timeout_s=20)
+            publish_weights(redis_client, keys, "math", 3, str(adapter), read_manifest(adapter)[1])
+            await wait_until_async("math served", lambda: find(read_events(redis_client, keys.weight_stream),
+                                                               WeightVersionServing, policy="math"), 15)
+            return await ctl.check_weights(None, request_id="all")
+        finally:
+            await ctl.stop()
+
+    answers = asyncio.run(scenario())
+    after_update = find(read_events(redis_client, keys.weight_stream), WeightsChecked, request_id="")
+    assert {(e.policy, e.outcome) for e in after_update} == {("default", "match"), ("math", "match")}
+    by_policy = {a.policy: a for a in answers}
+    assert {p: (a.version, a.outcome) for p, a in by_policy.items()} == {"default": (0, "match"),
+                                                                          "math": (3, "match")}
+    assert by_policy["default"].actual == tensors_digest(root / "base")
+    assert by_policy["math"].actual == tensors_digest(adapter) != by_policy["default"].actual
+    done = find(read_events(redis_client, keys.weight_stream), WeightsChecked, request_id="all", outcome="done")
+    assert [d.reason for d in done] == ["2 match, 0 mismatch, 0 unchecked"]
+    assert all(a.engine_id == engine_id for a in answers)
