@@ -10,7 +10,8 @@ A mismatch (another digest, or another version than the controller gave it) take
 the serving set (``Lifecycle.fail``: a launched engine is restarted with the published weights) after a
 ``WeightsChecked`` event naming the engine, the version and both digests; it is logged and counted
 (``rollout_bus_controller_weight_checks``). An engine without the route (SGLang) or not serving is
-``unchecked``, with the reason. Checks run after every weight update and on a ``CheckWeights`` command.
+``unchecked``, with the reason. Checks run after every weight update round, at every bring-up (``vet``:
+before the engine serves) and on a ``CheckWeights`` command.
 """
 
 from __future__ import annotations
@@ -62,7 +63,23 @@ class WeightChecker:
 
     async def check_engine(self, h: EngineHandle, request_id: str = "") -> list[WeightsChecked]:
         async with self.core.operate(h):
-            events = await self._compare(h, request_id)
+            if h.state != EngineState.SERVING:
+                pool = h.record.base_policy
+                events = [self._event(h, pool, h.record.versions.get(pool, -1), "unchecked",
+                                      f"engine is {h.state.value}", request_id)]
+            else:
+                events = await self._compare(h, request_id)
+        problem = await self._report(h, events)
+        if problem is not None:
+            await self.on_mismatch(h, problem)
+        return events
+
+    async def vet(self, h: EngineHandle) -> str | None:
+        """At bring-up, before the engine serves (the caller holds its lock): the mismatch, or None."""
+        return await self._report(h, await self._compare(h, ""))
+
+    async def _report(self, h: EngineHandle, events: list[WeightsChecked]) -> str | None:
+        """Publish, count and log the answers; the reason to take the engine out of service, if any."""
         mismatches = [e for e in events if e.outcome == "mismatch"]
         for event in events:
             self.core.metrics.weight_checks.labels(event.policy, event.outcome).inc()
@@ -70,12 +87,11 @@ class WeightChecker:
             if event.outcome == "mismatch":
                 log.error("engine %s: weights mismatch on %s v%d: %s", h.engine_id, event.policy, event.version,
                           event.reason)
-        if mismatches:
-            if any(e.policy == h.record.base_policy for e in mismatches):  # its next bring-up loads the target
-                self.core.suspect_weights.add(h.engine_id)
-            await self.on_mismatch(h, "weights mismatch: " + "; ".join(
-                f"{e.policy} v{e.version}: {e.reason}" for e in mismatches))
-        return events
+        if not mismatches:
+            return None
+        if any(e.policy == h.record.base_policy for e in mismatches):  # its next bring-up loads the target
+            self.core.suspect_weights.add(h.engine_id)
+        return "weights mismatch: " + "; ".join(f"{e.policy} v{e.version}: {e.reason}" for e in mismatches)
 
     def _event(self, h: EngineHandle | None, policy: str, version: int, outcome: str, reason: str, request_id: str,
                expected: str = "", actual: str = "") -> WeightsChecked:
@@ -88,8 +104,6 @@ class WeightChecker:
     async def _compare(self, h: EngineHandle, request_id: str) -> list[WeightsChecked]:
         pool = h.record.base_policy
         given = h.record.versions.get(pool, -1)
-        if h.state != EngineState.SERVING:
-            return [self._event(h, pool, given, "unchecked", f"engine is {h.state.value}", request_id)]
         try:
             info = await h.client.weights_digest(timeout_s=self.core.config.health_timeout_s)
         except EngineHTTPError as exc:
@@ -98,12 +112,18 @@ class WeightChecker:
             reason = NO_ROUTE if exc.status == 404 else f"no digest: {exc.message}"
             return [self._event(h, pool, given, "unchecked", reason, request_id)]
         raw_version, digest = info.get("weight_version"), info.get("digest")
+        if not isinstance(digest, str):
+            return [self._event(h, pool, given, "unchecked", "the engine's reply names no digest", request_id)]
         try:
             reported = int(str(raw_version))
         except ValueError:
             return [self._event(h, pool, given, "mismatch", f"the engine reports version {raw_version!r}, "
-                                f"the controller gave it v{given}", request_id, actual=str(digest))]
-        events = [await self._one(h, pool, given, reported, str(digest or ""), request_id)]
+                                f"the controller gave it v{given}", request_id, actual=digest)]
+        if pool not in h.record.versions:  # given no version yet (a bring-up after a failed check): it may run any
+            given = reported
+        events = [await self._one(h, pool, given, reported, digest, request_id)]
+        if events[0].outcome == "match":
+            h.record.versions.setdefault(pool, reported)
         adapters = info.get("adapters")
         loaded = adapters if isinstance(adapters, dict) else {}
         for policy, name in sorted(h.record.adapters.items()):

@@ -91,6 +91,7 @@ class InferenceController:
         self.updater = self.lifecycle.updater
         self.adapters = AdapterReconciler(self.core)
         self.checker = WeightChecker(self.core, self._failed_in_update)
+        self.lifecycle.checker = self.checker
         self.updater.after_applied = self._check_applied
         self.metrics_port = None
         self._loops = []
