@@ -50,6 +50,8 @@ class Core:
         self.policies: dict[str, PolicyRecord] = {}
         self.launched = launched if launched is not None else Launched.in_dir(config.log_dir, config.instance)
         self.fence_highest = 0
+        self.suspect_weights: set[str] = set()
+        """Engines whose base weights failed a check: their next bring-up loads the target whatever they report."""
         """The highest fencing token an engine said it has seen, when one refused us (0: none did)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ops: dict[str, int] = {}

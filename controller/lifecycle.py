@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from rollout_bus.controller.backends import Backend, LaunchSpec, ProcessHandle, launch
+from rollout_bus.controller.checks import WeightChecker
 from rollout_bus.controller.config import ControllerConfig
 from rollout_bus.controller.core import Core
 from rollout_bus.controller.state import EngineHandle
@@ -73,6 +74,8 @@ class Lifecycle:
         self.core = core
         self.backend = backend
         self.updater = updater
+        self.checker: WeightChecker | None = None
+        """Vets an engine's weights digest at bring-up, before it serves (set by the service)."""
         self._addresses: tuple[str, str] | None = None
 
     def new_handle(self, engine_id: str, url: str, *, managed: bool, state: EngineState = S.LAUNCHING,
@@ -182,9 +185,16 @@ class Lifecycle:
         except EngineHTTPError as exc:
             await self._mark_unhealthy(h, f"engine stopped answering after it was ready: {exc.message}")
             return False
+        if h.engine_id in self.core.suspect_weights:  # it failed a weights check: what it reports is not proof
+            h.record.versions.pop(h.record.base_policy, None)
+            self.core.suspect_weights.discard(h.engine_id)
         outcome = await self.updater.catch_up(h)
         if outcome is not None:
             await self._mark_unhealthy(h, f"could not load the latest weights: {outcome.reason}")
+            return False
+        problem = await self.checker.vet(h) if self.checker is not None else None
+        if problem is not None:
+            await self._mark_unhealthy(h, problem)
             return False
         h.failures = 0
         h.restart_attempts = 0

@@ -43,6 +43,10 @@ class ControllerMetrics:
         self.weight_update_failures = Counter(
             "rollout_bus_controller_weight_update_failures", "Weight updates refused or failed, per engine",
             ["policy", "kind"], registry=self.registry)
+        self.weight_checks = Counter(
+            "rollout_bus_controller_weight_checks",
+            "Engine weight digests compared with the published ones, per policy and outcome (match, mismatch, "
+            "unchecked)", ["policy", "outcome"], registry=self.registry)
         self.engine_restarts = Counter(
             "rollout_bus_controller_engine_restarts", "Engine relaunches", registry=self.registry)
         self.janitor_removed = Counter(

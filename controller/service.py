@@ -23,6 +23,7 @@ from pathlib import Path
 from rollout_bus.controller.adapters import AdapterReconciler
 from rollout_bus.controller.backends import ProcessHandle, make_backend, pid_alive
 from rollout_bus.controller.bus import ControllerBus
+from rollout_bus.controller.checks import WeightChecker
 from rollout_bus.controller.config import OFFLOAD_TAGS, ControllerConfig
 from rollout_bus.controller.core import Core
 from rollout_bus.controller.health import check_all
@@ -41,6 +42,7 @@ from rollout_bus.events.janitor import Janitor, JanitorConfig, JanitorReport
 from rollout_bus.events.names import Keys
 from rollout_bus.events.registry import EngineState, PolicyRecord
 from rollout_bus.events.schema import (
+    CheckWeights,
     EngineOffloaded,
     EngineOnloaded,
     EngineServing,
@@ -48,6 +50,7 @@ from rollout_bus.events.schema import (
     OffloadEngines,
     OnloadEngines,
     Producer,
+    WeightsChecked,
     WeightsPublished,
 )
 
@@ -87,6 +90,9 @@ class InferenceController:
                                    WeightUpdater(self.core, self._failed_in_update))
         self.updater = self.lifecycle.updater
         self.adapters = AdapterReconciler(self.core)
+        self.checker = WeightChecker(self.core, self._failed_in_update)
+        self.lifecycle.checker = self.checker
+        self.updater.after_applied = self._check_applied
         self.metrics_port = None
         self._loops = []
         self._stopping = None
@@ -411,9 +417,25 @@ class InferenceController:
                         await self.offload(event.tags, event.engine_ids)
                     elif isinstance(event, OnloadEngines):
                         await self.onload(event.tags, event.engine_ids)
+                    elif isinstance(event, CheckWeights):
+                        await self.check_weights(event.engine_ids, event.request_id)
                 except InvalidRequest as exc:
                     log.warning("ignoring command %s: %s", msg.id, exc)
+                    if isinstance(event, CheckWeights):  # the asker waits for an answer: it gets the reason
+                        await self.core.bus.weights_event(self.core.event(
+                            WeightsChecked, engine_id="", policy="", version=-1, outcome="refused", expected="",
+                            actual="", reason=str(exc), request_id=event.request_id))
                 await self.core.bus.ack_commands(msg.id)
+
+    # --- checking weights -----------------------------------------------------------------------
+    async def check_weights(self, engine_ids: Sequence[str] | None = None,
+                            request_id: str = "") -> list[WeightsChecked]:
+        """Compare each engine's weights digest with the published one (``controller.checks``); a mismatched
+        engine leaves the serving set. ``InvalidRequest`` for an unknown engine id."""
+        return await self.checker.check(engine_ids, request_id)
+
+    async def _check_applied(self, engines: list[EngineHandle]) -> None:
+        await asyncio.gather(*(self.checker.check_engine(h) for h in engines))
 
     # --- offload / onload -------------------------------------------------------------------------
     def _targets(self, tags: Sequence[str], engine_ids: Sequence[str] | None) -> list[EngineHandle]:

@@ -110,6 +110,8 @@ class WeightUpdater:
         self._served: dict[str, set[int]] = {}
         self._running: set[str] = set()
         self.inflight: set[str] = set()
+        self.after_applied: Callable[[list[EngineHandle]], Awaitable[object]] | None = None
+        """Runs on the engines that applied a version, before it is announced (the weight check)."""
 
     def load_reference(self) -> None:
         try:
@@ -257,6 +259,9 @@ class WeightUpdater:
                 engine_ids=[h.engine_id for h in behind]))
             started = time.perf_counter()
             outcomes = await self.apply_all(target, behind)
+            applied = [h for h, o in zip(behind, outcomes, strict=True) if o.status == "applied"]
+            if applied and self.after_applied is not None:
+                await self.after_applied(applied)
             await self._settle(target, behind, outcomes, time.perf_counter() - started)
         await self.announce(policy)
         return outcomes

@@ -54,6 +54,8 @@ class Target:
     sha256: str
     engine_path: str
     kind: Literal["full", "adapter"] = "full"
+    digest: str = ""
+    """``lm.files.tensors_digest`` of the directory, taken when it was verified (what engines must report)."""
 
 
 class VersionBook:

@@ -31,6 +31,7 @@ from rollout_bus.lm.files import (
     adapter_problems,
     file_shapes,
     tensor_shapes,
+    tensors_digest,
     verify_weights_dir,
 )
 
@@ -143,6 +144,7 @@ def _checked(policy: str, version: int, uri: str, sha256: str, resolved: Path, r
                 problems = shape_problems(reference, tensor_shapes(resolved))
                 if problems:
                     raise BadWeights("wrong shapes: " + "; ".join(problems))
+        digest = tensors_digest(resolved, threads=threads)
     except WeightsError as exc:
         raise BadWeights(exc.reason) from None
-    return Target(policy, version, uri, sha256.lower(), str(resolved), manifest.kind)
+    return Target(policy, version, uri, sha256.lower(), str(resolved), manifest.kind, digest)

@@ -28,6 +28,8 @@ from rollout_bus.engine.protocol import (
 from rollout_bus.engine.runtime import Engine
 from rollout_bus.engine.scheduler import FLUSH_REFUSED
 from rollout_bus.engine.served import WeightUpdate
+from rollout_bus.lm.files import DIGEST_ALGORITHM
+from rollout_bus.lm.hf import state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class Control:
             get("/resume_memory_occupation", self.resume_memory),
             post("/load_lora_adapter", self.load_lora_adapter),
             post("/unload_lora_adapter", self.unload_lora_adapter),
+            get("/weights_digest", self.weights_digest),
         ])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -110,9 +113,11 @@ class Control:
             flush = get_bool(body, "flush_cache", True)
             abort_all = get_bool(body, "abort_all_requests", False)
             version = get_version(body, "weight_version")
-            state = await asyncio.get_running_loop().run_in_executor(None, self.model.read_update, model_path)
+            loop = asyncio.get_running_loop()
+            state = await loop.run_in_executor(None, self.model.read_update, model_path)
+            digest = await loop.run_in_executor(None, state_digest, state)
             outcome = await asyncio.wrap_future(
-                self.scheduler.update_weights(WeightUpdate(state, version, model_path), abort_all, flush))
+                self.scheduler.update_weights(WeightUpdate(state, version, model_path, digest), abort_all, flush))
         except EngineError as exc:
             logger.warning("weight update rejected: %s", exc)
             return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0},
@@ -137,6 +142,13 @@ class Control:
             return web.json_response({"success": False, "message": str(exc)}, status=exc.status)
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {version}", "new_version": version})
+
+    async def weights_digest(self, request: web.Request) -> web.Response:
+        """``GET /weights_digest`` (needs the API key): the digest of the weights this engine serves, computed
+        when they were loaded (``lm.files.tensors_digest`` / ``lm.hf.state_digest``), never on request."""
+        version, digest, adapters = self.model.digests()
+        return web.json_response({"algorithm": DIGEST_ALGORITHM, "weight_version": version,
+                                  "model_path": self.model.source, "digest": digest, "adapters": adapters})
 
     # scheduling control
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -176,8 +188,10 @@ class Control:
             name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
             self.check_source("lora_path", path)
             get_bool(body, "pinned", False)
-            await asyncio.get_running_loop().run_in_executor(None, self.model.check_adapter, name, path)
-            await asyncio.wrap_future(self.scheduler.load_adapter(name, path))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.model.check_adapter, name, path)
+            digest = await loop.run_in_executor(None, self.model.adapter_digest, path)
+            await asyncio.wrap_future(self.scheduler.load_adapter(name, path, digest))
         except EngineError as exc:
             logger.warning("adapter load rejected: %s", exc)
             return self._lora_reply(str(exc), exc.status)

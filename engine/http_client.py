@@ -190,6 +190,11 @@ class EngineClient:
     async def model_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return _as_dict(await self.request("GET", "/model_info", timeout_s=timeout_s))
 
+    async def weights_digest(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``GET /weights_digest`` (the CPU engine's; SGLang has no such route): ``weight_version``, ``digest``
+        of the base tensors and ``adapters`` (name -> ``{"path", "digest"}``), as of their loading."""
+        return _as_dict(await self.request("GET", "/weights_digest", timeout_s=timeout_s))
+
     async def server_info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return _as_dict(await self.request("GET", "/server_info", timeout_s=timeout_s))
 

@@ -156,8 +156,8 @@ class Scheduler:
     def resume_memory(self, tags: tuple[str, ...]) -> Future[None]:
         return self.call(lambda: self._resume(tags))
 
-    def load_adapter(self, name: str, path: str) -> Future[None]:
-        return self.call(lambda: self._load_adapter(name, path))
+    def load_adapter(self, name: str, path: str, digest: str = "") -> Future[None]:
+        return self.call(lambda: self._load_adapter(name, path, digest))
 
     def unload_adapter(self, name: str) -> Future[Future[None]]:
         """The outer future resolves at once (accepted or refused); the inner one once the adapter is
@@ -274,10 +274,10 @@ class Scheduler:
         self.released = self.released - frozenset(tags)
         logger.info("resumed memory %s", sorted(tags))
 
-    def _load_adapter(self, name: str, path: str) -> None:
+    def _load_adapter(self, name: str, path: str, digest: str) -> None:
         if name in self.model.adapter_paths():
             raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
-        self.model.attach_adapter(name, path)
+        self.model.attach_adapter(name, path, digest)
 
     def _unload_adapter(self, name: str) -> Future[None]:
         if name not in self.model.adapter_paths():

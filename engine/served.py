@@ -33,6 +33,7 @@ from rollout_bus.lm.files import (
     WeightsError,
     adapter_problems,
     file_shapes,
+    tensors_digest,
 )
 from rollout_bus.lm.hf import parameters_by_name, read_state
 
@@ -50,6 +51,8 @@ class WeightUpdate:
     state: dict[str, Tensor] = field(repr=False)
     version: str | None
     source: str
+    digest: str = ""
+    """``lm.hf.state_digest`` of ``state``: what ``/weights_digest`` reports once the tensors are in."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ class ServedModel(ABC):
         self.served_name: str | None = None  # after a weight update: its path, as SGLang reports
         self.lora = lora
         self.adapters: dict[str, str] = {}
+        self.digest = tensors_digest(Path(source))
+        """The digest (``lm.files.DIGEST_ALGORITHM``) of the base tensors last copied in: the launch weights'
+        files, then each update's tensors as read (``WeightUpdate.digest``)."""
+        self.adapter_digests: dict[str, str] = {}
         self.backup: dict[int, Tensor] | None = None
         self._live = parameters_by_name(base, reference)
         self._lock = threading.Lock()
@@ -115,6 +122,13 @@ class ServedModel(ABC):
     def adapter_paths(self) -> dict[str, str]:
         with self._lock:
             return dict(self.adapters)
+
+    def digests(self) -> tuple[str, str, dict[str, dict[str, str]]]:
+        """The served version, the base tensors' digest and, per loaded adapter, its path and digest."""
+        with self._lock:
+            adapters = {name: {"path": path, "digest": self.adapter_digests.get(name, "")}
+                        for name, path in self.adapters.items()}
+            return self.version, self.digest, adapters
 
     @property
     def released(self) -> bool:
@@ -168,6 +182,8 @@ class ServedModel(ABC):
                 live = self._live[name]
                 target = self.backup[id(live)] if self.backup is not None else live.data
                 target.copy_(tensor)
+        with self._lock:
+            self.digest = update.digest  # the tensors are in, announced or not
         if not announce:
             return
         with self._lock:
@@ -237,7 +253,15 @@ class ServedModel(ABC):
         if problems:
             raise BadRequest(f"adapter {path} does not fit the base model: {'; '.join(problems)}")
 
-    def attach_adapter(self, name: str, path: str) -> None:
+    @staticmethod
+    def adapter_digest(path: str) -> str:
+        """The digest of an adapter's tensors (off the scheduler thread; its file was vetted by ``check_adapter``)."""
+        try:
+            return tensors_digest(Path(path) / ADAPTER_WEIGHTS_FILE)
+        except WeightsError as exc:
+            raise BadRequest(f"cannot read the adapter at {path}: {exc.reason}") from None
+
+    def attach_adapter(self, name: str, path: str, digest: str = "") -> None:
         """Load a vetted adapter (scheduler thread); finite values are checked after loading."""
         if self.backup is not None:
             raise BadRequest("weights are released: resume memory before loading an adapter")
@@ -256,12 +280,14 @@ class ServedModel(ABC):
             raise BadRequest(f"adapter {path} holds NaN or infinite values in {bad[:4]}")
         with self._lock:
             self.adapters[name] = path
+            self.adapter_digests[name] = digest or self.adapter_digest(path)
         logger.info("loaded LoRA adapter %s from %s", name, path)
 
     def detach_adapter(self, name: str) -> None:
         self._remove_adapter(name)
         with self._lock:
             self.adapters.pop(name, None)
+            self.adapter_digests.pop(name, None)
         logger.info("unloaded LoRA adapter %s", name)
 
     def _remove_adapter(self, name: str) -> None:

@@ -184,6 +184,15 @@ class OnloadEngines(Event):
     engine_ids: list[str] | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckWeights(Event):
+    """Compare the digest of the weights each engine serves with the published one (None: every engine).
+    The controller answers with one ``WeightsChecked`` per engine and policy, carrying ``request_id``."""
+
+    request_id: str
+    engine_ids: list[str] | None = None
+
+
 # --- weights -------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,6 +224,23 @@ class WeightUpdateFailed(Event):
     version: int
     engine_id: str
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsChecked(Event):
+    """The controller compared an engine's digest of ``policy`` v``version`` (the version the engine says it
+    runs) with the published directory's. ``outcome``: ``match``, ``mismatch`` (the engine left the serving
+    set) or ``unchecked`` (``reason`` says why), ``refused`` (the ``CheckWeights`` itself was bad: ``reason`` says why, no
+    engine) or ``done`` (no engine: the last answer to that request); ``request_id`` is the ``CheckWeights``' (empty: after an update)."""
+
+    engine_id: str
+    policy: str
+    version: int
+    outcome: str
+    expected: str
+    actual: str
+    reason: str
+    request_id: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

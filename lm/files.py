@@ -89,6 +89,11 @@ def config_file(path: str | os.PathLike[str]) -> Path:
     return weights_file(path).parent / CONFIG_FILE
 
 
+def version_dir(weights_root: str | os.PathLike[str], policy: str, version: int) -> Path:
+    """Where a published version of ``policy`` lies: ``<weights_root>/<policy>/v<version:06d>``."""
+    return Path(weights_root) / policy / f"v{version:06d}"
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     """Hex sha256 of a file, read in chunks."""
     digest = hashlib.sha256()
@@ -511,3 +516,65 @@ def weights_root_problem(root: str) -> str | None:
     if not os.access(path, os.R_OK | os.X_OK):
         return f"weights root {root!r} is not readable on host {socket.gethostname()!r}: check its permissions"
     return None
+
+
+# --- the digest of the tensors a directory holds -------------------------------------------------
+
+DIGEST_ALGORITHM = "rollout-bus-tensors-sha256/1"
+"""``tensors_digest``: sha256 over lines ``<name> <dtype> <shape> <sha256 of the tensor's bytes>\\n``, sorted by name."""
+
+
+def tensor_line(name: str, dtype: str, shape: tuple[int, ...] | list[int], data: Any) -> bytes:
+    """One tensor's part of the digest: its name, safetensors dtype, shape and the sha256 of its raw
+    (little-endian, row-major) bytes. ``data`` is anything ``hashlib`` reads (bytes, a memoryview, a
+    contiguous numpy array)."""
+    dims = ",".join(str(int(d)) for d in shape)
+    return f"{name} {dtype} [{dims}] {hashlib.sha256(data).hexdigest()}\n".encode()
+
+
+def combine_digest(lines: Mapping[str, bytes]) -> str:
+    """The digest of a set of tensors from their ``tensor_line``s (name -> line): order and sharding do not
+    count, only names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256(DIGEST_ALGORITHM.encode() + b"\n")
+    for name in sorted(lines):
+        digest.update(lines[name])
+    return digest.hexdigest()
+
+
+def file_tensor_lines(path: Path) -> dict[str, bytes]:
+    """``tensor_line`` of every tensor of one safetensors file, read through a read-only memory map."""
+    header = read_header(path)
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+    data_start = 8 + length
+    size = path.stat().st_size
+    buffer = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+    lines: dict[str, bytes] = {}
+    try:
+        for name, info in header.items():
+            shape = info.get("shape")
+            if not isinstance(shape, list):
+                raise WeightsError(f"{path}: tensor {name!r} has shape {shape!r}, expected a list")
+            start, end = _data_offsets(path, name, info, size - data_start, 1)
+            lines[name] = tensor_line(name, str(info.get("dtype")), [_dim(d) for d in shape],
+                                      buffer[data_start + start:data_start + end])
+    finally:
+        del buffer
+    return lines
+
+
+def tensors_digest(path: Path, *, threads: int = DEFAULT_THREADS) -> str:
+    """The digest (``DIGEST_ALGORITHM``) of every tensor of a weights location: a directory in any layout
+    (full weights, shards, an adapter) or one safetensors file. The same tensors give the same digest
+    however they are split into shards; ``lm.hf.state_digest`` computes it from tensors in memory."""
+    path = Path(path)
+    files = [path] if path.suffix == ".safetensors" else [path / name for name in layout_files(path)]
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(files)))) as pool:
+        parts = list(pool.map(file_tensor_lines, files))
+    lines: dict[str, bytes] = {}
+    for file, part in zip(files, parts, strict=True):
+        twice = sorted(set(part) & set(lines))
+        if twice:
+            raise WeightsError(f"tensor {twice[0]} is stored twice (again in {file.name})")
+        lines.update(part)
+    return combine_digest(lines)

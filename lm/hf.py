@@ -27,7 +27,15 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from rollout_bus.lm.files import CONFIG_FILE, DEFAULT_THREADS, WeightsError, layout_files, write_weights_dir
+from rollout_bus.lm.files import (
+    CONFIG_FILE,
+    DEFAULT_THREADS,
+    WeightsError,
+    combine_digest,
+    layout_files,
+    tensor_line,
+    write_weights_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,28 @@ def read_state(path: str | os.PathLike[str], *, threads: int = DEFAULT_THREADS) 
     for part in parts:
         state.update(part)
     return state
+
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+"""torch dtype -> the safetensors name of it, as ``safetensors.torch`` writes it."""
+
+
+def state_digest(state: dict[str, Tensor]) -> str:
+    """``lm.files.tensors_digest`` of tensors in memory (as ``read_state`` returns them): the same tensors
+    written to safetensors files, in any sharding, give the same digest."""
+    lines: dict[str, bytes] = {}
+    for name, tensor in state.items():
+        dtype = SAFETENSORS_DTYPES.get(tensor.dtype)
+        if dtype is None:
+            raise WeightsError(f"tensor {name} has dtype {tensor.dtype}, which safetensors does not store")
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+        lines[name] = tensor_line(name, dtype, tuple(tensor.shape), data)
+    return combine_digest(lines)
 
 
 def save_pretrained(directory: Path, model: Any, tokenizer: Any = None, *,

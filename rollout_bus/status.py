@@ -2,8 +2,10 @@
 
     rollout-bus status [--redis-url URL] [--namespace NS] [--json] [--watch SECONDS]
     rollout-bus status --serve-metrics 9100      # Prometheus exporter of the bus gauges
+    rollout-bus status --check-weights [--engine ID]...   # engines' weights against the published ones
 
-Reads only (works with the read-only ``status`` ACL user). ``REDIS_URL`` and
+Reads only (works with the read-only ``status`` ACL user), except ``--check-weights``, which sends the
+controller a ``CheckWeights`` command (``rollout_bus.check_weights``). ``REDIS_URL`` and
 ``ROLLOUT_BUS_NAMESPACE`` are the defaults of ``--redis-url`` and ``--namespace``.
 """
 
@@ -41,7 +43,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve-metrics", type=int, metavar="PORT",
                    help="serve the bus gauges on PORT at /metrics until stopped (no output)")
     p.add_argument("--dead-letters", type=int, default=5, metavar="N", help="show the last N dead letters")
+    p.add_argument("--check-weights", action="store_true",
+                   help="ask the controller to compare each engine's weights digest with the published one and "
+                        "print the answers (exit 1 on a mismatch; needs a user that may send commands)")
+    p.add_argument("--engine", action="append", type=name_arg("engine id"), metavar="ID",
+                   help="with --check-weights: check only this engine (repeat for more)")
+    p.add_argument("--check-timeout-s", type=float, default=60.0, metavar="S",
+                   help="with --check-weights: how long to wait for the controller's answer (default 60)")
     args = p.parse_args(argv)
+    if args.engine and not args.check_weights:
+        p.error("--engine goes with --check-weights")
+    if args.check_weights and (args.watch is not None or args.serve_metrics is not None):
+        p.error("--check-weights runs once: not with --watch or --serve-metrics")
     if args.watch is not None and args.watch <= 0:
         p.error("--watch must be > 0")
     return args
@@ -134,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
 
     client = connect(args.redis_url)
     keys = Keys(args.namespace)
+    if args.check_weights:
+        from rollout_bus.check_weights import ask
+        from rollout_bus.check_weights import render as render_checks
+
+        try:
+            code, answers = ask(client, keys, args.engine, args.check_timeout_s)
+        except BusError as exc:
+            print(f"cannot reach {redacted(redis_url(args.redis_url))}: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            client.close()
+        if answers:
+            print(json.dumps([dataclasses.asdict(a) for a in answers], default=str) if args.json
+                  else render_checks(answers), flush=True)
+        return code
     try:
         while True:
             try:

@@ -50,16 +50,12 @@ from rollout_bus.events.schema import (
     WeightVersionServing,
     decode,
 )
-from rollout_bus.lm.files import read_manifest, rename_noreplace, write_weights_dir
+from rollout_bus.lm.files import read_manifest, rename_noreplace, version_dir, write_weights_dir
 from rollout_bus.lm.hf import save_pretrained
 from rollout_bus.lm.model import TinyLM, save_weights
 from rollout_bus.trainer.lease import PolicyLease
 
 log = logging.getLogger(__name__)
-
-
-def version_dir(weights_root: str | Path, policy: str, version: int) -> Path:
-    return Path(weights_root) / policy / f"v{version:06d}"
 
 
 @dataclass

@@ -123,3 +123,15 @@ def test_serve_metrics_serves_a_registry_and_the_multiprocess_one(
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--engine", "e0"], "--engine goes with --check-weights"),
+    (["--check-weights", "--watch", "2"], "--check-weights runs once"),
+    (["--check-weights", "--engine", "../e0"], "engine id"),
+])
+def test_check_weights_arguments_that_make_no_sense_fail_saying_why(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        status.parse_args(argv)
+    assert message in capsys.readouterr().err
