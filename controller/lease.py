@@ -27,6 +27,7 @@ second, not a lease later.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -42,17 +43,16 @@ log = logging.getLogger(__name__)
 MAX_TOKEN = 2 ** 53 - 2
 """The largest fencing token a raise goes to: Lua numbers are doubles, exact up to 2**53."""
 
-# KEYS[1] lease, KEYS[2] fence counter, KEYS[3] fence holder; ARGV[1] owner, ARGV[2] ttl ms. Returns the holder's
-# fencing token, 0 if held by someone else.
+# KEYS[1] lease, KEYS[2] fence counter, KEYS[3] fence holder; ARGV[1] owner, ARGV[2] ttl ms. Returns the new
+# tenure's fencing token, 0 if held by someone else. Every acquisition is a new tenure with a new token, also
+# one by the owner whose key has not lapsed yet (a leader that stepped down and takes the lease back): its
+# engines have seen its old token, and an equal one would read as another holder's.
 _ACQUIRE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) or redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   local token = redis.call('INCR', KEYS[2])
   redis.call('SET', KEYS[3], ARGV[1])
   return token
-end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return tonumber(redis.call('GET', KEYS[2]) or '0')
 end
 return 0
 """
@@ -98,7 +98,8 @@ class Lease:
         self.key = key
         self.fence_key = fence_key or f"{key}:fence"
         self.holder_key = f"{self.fence_key}:holder"
-        self.durability = durability(client)
+        d = durability(client)  # a lease write waits for its replicas no longer than a third of the lease: past
+        self.durability = dataclasses.replace(d, wait_s=min(d.wait_s, ttl_s / 3))  # it, no controller leads
         self.owner = owner
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.guard = guard or Guard(client, ReconnectPolicy(max_wait_s=max(0.05, ttl_s / 3)), name=f"lease {key}")
@@ -130,8 +131,8 @@ class Lease:
         return confirm_replicated(d, f"{what} {self.key}", attempt)
 
     def try_acquire(self) -> bool:
-        """Take the lease if nobody holds it, or its holder died on this host (or extend it if we hold it);
-        ``token`` is then this tenure's."""
+        """Take the lease if nobody holds it, or its holder died on this host (or take it back if its key is
+        still ours); ``token`` is then this new tenure's."""
         args = [self.owner, self.ttl_ms]
         token = int(self._durable("lease", self._acquire, self._fence_keys, args))
         if not token and self._drop_dead_holder():

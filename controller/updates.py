@@ -138,9 +138,8 @@ class WeightUpdater:
             log.info("ignoring weights %s v%d: %s", event.policy, event.version, reason)
             await self._refuse(event, reason, per_engine=False)
         else:
+            problem = writer_problem(event.producer, event.policy, await self.core.bus.trainer_lease_owner(event.policy))
             try:
-                problem = writer_problem(event.producer, event.policy,
-                                         await self.core.bus.trainer_lease_owner(event.policy))
                 if problem is not None:
                     raise BadWeights(problem)
                 target = await asyncio.to_thread(verify, event.policy, event.version, event.uri, event.sha256,
@@ -151,7 +150,9 @@ class WeightUpdater:
                 if exc.transient and self._look_again(event, entry_id, first_seen, reason):
                     return None
                 log.warning("refusing weights %s v%d: %s", event.policy, event.version, reason)
-                await self._refuse(event, reason, per_engine=True)
+                # the holder may announce the version again once its directory is fixed; a publication from
+                # another writer leaves the holder's own (its dedupe key) alone
+                await self._refuse(event, reason, per_engine=True, forget=problem is None)
             else:
                 book.accept(target)
                 log.info("weights %s v%d accepted (%s)", event.policy, event.version, target.engine_path)
@@ -198,9 +199,10 @@ class WeightUpdater:
             raise BadWeights(f"policy {target.policy!r} publishes a LoRA adapter, but the engines run without "
                              "LoRA: start the controller with --enable-lora")
 
-    async def _refuse(self, event: WeightsPublished, reason: str, per_engine: bool) -> None:
+    async def _refuse(self, event: WeightsPublished, reason: str, per_engine: bool, *, forget: bool = False) -> None:
         self.core.metrics.weight_update_failures.labels(event.policy, "refused").inc()
-        await self.core.bus.forget_publication(event.policy, event.version)
+        if forget:
+            await self.core.bus.forget_publication(event.policy, event.version)
         engines = self.core.serving_members(event.policy) if per_engine else []
         for h in engines:
             await self.core.bus.weights_event(self.core.event(

@@ -205,9 +205,5 @@ def render(*trainer_policies: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-OPTIONAL_PASSWORDS = ("ADMIN_PASSWORD", "REPLICATION_PASSWORD", "SENTINEL_PASSWORD")
-"""Users that stay off unless their password is given (``deploy/render-acl.sh``)."""
-
-
 if __name__ == "__main__":
     sys.stdout.write(render(*sys.argv[1:]))

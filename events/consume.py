@@ -119,6 +119,7 @@ class Consumer:
         self._beat_due = 0.0
         self._beat = client.register_script(BEAT)
         self._leased_ack: Any = None  # XACK bound to a lease (``ack(lease=...)``), registered on first use
+        self._leased_dead_letter: Any = None
         self._heartbeat: Heartbeat | None = None
         self._group_lost = False
         self._held: set[str] = set()  # delivered to us and not acked yet
@@ -403,17 +404,26 @@ class Consumer:
         ids, self._unacked = self._unacked, []
         self.ack(*ids)
 
-    def dead_letter(self, entry_id: str, fields: Any, reason: str, deliveries: int) -> None:
-        """Move an entry to the dead-letter stream with its reason and ack it, atomically."""
+    def dead_letter(self, entry_id: str, fields: Any, reason: str, deliveries: int, *,
+                    lease: LeaseFence | None = None) -> None:
+        """Move an entry to the dead-letter stream with its reason and ack it, atomically; with ``lease``,
+        only while that lease holds (checked in the same script, ``LeaseLost``)."""
         log.warning("dead-lettering %s %s (group %s): %s", self.stream, entry_id, self.group, reason)
         record = dead_letter_fields(self.stream, self.group, self.name, entry_id, fields, reason, deliveries)
-
-        def move(c: redis.Redis) -> None:
-            pipe = c.pipeline(transaction=True)
-            pipe.xadd(self.keys.dead_letters, record)  # type: ignore[arg-type]
-            pipe.xack(self.stream, self.group, entry_id)
-            pipe.execute()
-        self.guard.call(move)
+        if lease is not None:
+            script = self._leased_dead_letter = self._leased_dead_letter or self.client.register_script(
+                leased(_DEAD_LETTER))
+            pairs = [x for kv in record.items() for x in kv]
+            script_keys, script_args = lease.keys(self.stream, self.keys.dead_letters), lease.args(
+                self.group, entry_id, *pairs)
+            guarded(self.guard, lambda c: script(keys=script_keys, args=script_args, client=c))
+        else:
+            def move(c: redis.Redis) -> None:
+                pipe = c.pipeline(transaction=True)
+                pipe.xadd(self.keys.dead_letters, record)  # type: ignore[arg-type]
+                pipe.xack(self.stream, self.group, entry_id)
+                pipe.execute()
+            self.guard.call(move)
         self._acked([entry_id])
         self.dead_lettered += 1
 
@@ -516,3 +526,9 @@ def register_group(c: redis.Redis, keys: Keys, stream: str, group: str, start_id
 
 # KEYS[1] stream; ARGV[1] group, ARGV[2..] entry ids (run through ``events.leased``: only while a lease holds).
 _ACK = "return redis.call('XACK', KEYS[1], unpack(ARGV))"
+
+# KEYS[1] stream, KEYS[2] dead letters; ARGV[1] group, ARGV[2] entry id, ARGV[3..] the record's field/value pairs.
+_DEAD_LETTER = """
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+"""

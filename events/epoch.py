@@ -32,7 +32,7 @@ from rollout_bus.events.errors import BusError, BusReset
 from rollout_bus.events.names import Keys
 
 log = logging.getLogger(__name__)
-EXIT_BUS_RESET = 75
+EXIT_BUS_RESET = BusReset.exit_code
 """Exit status of a role that had to be ended after a bus reset (it did not stop in time on its own)."""
 DEFAULT_CHECK_S = 2.0
 

@@ -37,6 +37,9 @@ class BusUnavailable(Failure):
 class BusReset(Failure):
     """Redis lost the namespace's data (its bus epoch vanished): the run's streams, groups and registry are gone."""
 
+    exit_code = 76
+    """What a role's process exits with when it stops for this (``LeaseLost`` has its own)."""
+
 
 class RedisCommandError(Failure):
     """Redis answered a command with an error."""

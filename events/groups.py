@@ -117,9 +117,14 @@ def owner_alive(c: redis.Redis, keys: Keys, stream: str, group: str) -> str | No
     """Why ``group``'s owner is still alive although its beats lapsed (a consumer of the group touched the
     stream within the group's TTL), or None when it is known dead."""
     raw_ttl = c.hget(keys.group_ttls(stream), group)
-    if raw_ttl is None:
+    try:  # written by the group's consumers: a value that is not a positive number counts as no TTL
+        ttl_ms = int(raw_ttl) if raw_ttl is not None else 0
+    except ValueError:
+        log.warning("group %s of %s has a malformed TTL %r: its owner is taken as dead", group, stream,
+                    raw_ttl[:40])
+        ttl_ms = 0
+    if ttl_ms <= 0:
         return None
-    ttl_ms = int(raw_ttl)
     try:
         consumers = c.xinfo_consumers(stream, group)
     except redis.ResponseError:  # the group or the stream is gone already

@@ -162,6 +162,8 @@ def _degraded(raw: dict[Any, Any]) -> dict[str, dict[str, Any]]:
             state = json.loads(value)
         except (ValueError, UnicodeDecodeError):
             state = None
+        if isinstance(state, dict) and not isinstance(state.get("since_ms", 0), int | float):
+            state["since_ms"] = None  # written by any writer: shown, never trusted as a number
         out[as_str(writer)] = state if isinstance(state, dict) else {"what": repr(value)[:200]}
     return out
 

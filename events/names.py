@@ -250,9 +250,6 @@ class Keys:
         """Saved state of one executor data source."""
         return self._k("cursor", check_name("policy", policy), source)
 
-    def batch_done(self, batch_id: str) -> str:
-        return self._k("batch-done", batch_id)
-
     # --- rq queues (rq adds its own ``rq:queue:`` prefix) -------------------------------
     @property
     def rollout_queue(self) -> str:

@@ -46,9 +46,14 @@ local function with_seq(raw, slot, n)
     v = string.char(n)
   elseif n < 65536 then
     v = string.char(205, math.floor(n / 256), n % 256)
-  else
+  elseif n < 4294967296 then
     v = string.char(206, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
                     math.floor(n / 256) % 256, n % 256)
+  else  -- uint 64 (numbers stay exact in Lua's doubles up to 2**53)
+    local hi, lo = math.floor(n / 4294967296), n % 4294967296
+    v = string.char(207, math.floor(hi / 16777216) % 256, math.floor(hi / 65536) % 256,
+                    math.floor(hi / 256) % 256, hi % 256, math.floor(lo / 16777216) % 256,
+                    math.floor(lo / 65536) % 256, math.floor(lo / 256) % 256, lo % 256)
   end
   return string.sub(raw, 1, slot - 1) .. v .. string.sub(raw, slot + 1)
 end

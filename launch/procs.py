@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout_bus.events import processes
-from rollout_bus.events.errors import LeaseLost
+from rollout_bus.events.errors import BusReset, LeaseLost
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ def exit_text(status: int | None) -> str:
     """An exit status as the run reports it: named when it says why (a deposed role)."""
     if status == LeaseLost.exit_code:
         return f"{status} (deposed: its lease lapsed while it was paused or cut off; it wrote nothing after)"
+    if status == BusReset.exit_code:
+        return f"{status} (Redis lost the run's data: its bus epoch vanished)"
     return str(status)
 
 

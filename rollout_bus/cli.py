@@ -17,6 +17,7 @@ chosen, so ``rollout-bus <command> --help`` answers before torch or Redis client
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,7 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = resolve(args)
     entry: Callable[[list[str]], int | None] = importlib.import_module(command.module).main
-    return int(entry(rest) or 0)
+    from rollout_bus.events.errors import BusReset
+
+    try:
+        return int(entry(rest) or 0)
+    except BusReset as exc:  # a role stopped because Redis lost the run's data: one line, its own status
+        logging.getLogger("rollout_bus").error("%s: BusReset: %s", args[0], exc)
+        return BusReset.exit_code
 
 
 if __name__ == "__main__":

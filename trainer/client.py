@@ -222,13 +222,16 @@ class RolloutClient:
     def _refuse(self, entry_id: str, fields: Any, deliveries: int, event: BatchReady, reason: str, *,
                 release: bool, keep: bool = True) -> None:
         """Dead-letter a batch that failed a check (with ``reason``) and keep it for ``refused``; its payload
-        is released when it is this batch's own (a reference to another batch's bytes is left alone)."""
-        self.consumer.dead_letter(entry_id, fields, reason, deliveries)
-        if release:
-            try:
-                self.payloads.release(event, self.config.group)
-            except (DecodeError, PayloadMissing, PayloadTooLarge) as exc:
-                log.info("batch %s: payload not released: %s", event.batch_id, exc)
+        is released when it is this batch's own (a reference to another batch's bytes is left alone). Both
+        writes are bound to the lease, as every write of the trainer is."""
+        fence = self.lease.fence
+        with self._deposed_on_refusal():
+            self.consumer.dead_letter(entry_id, fields, reason, deliveries, lease=fence)
+            if release:
+                try:
+                    self.payloads.release(event, self.config.group, lease=fence)
+                except (DecodeError, PayloadMissing, PayloadTooLarge) as exc:
+                    log.info("batch %s: payload not released: %s", event.batch_id, exc)
         if keep:
             self._refused.append(ReceivedBatch(entry_id, event, None, deliveries, time.monotonic(), reason))
 

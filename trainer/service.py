@@ -41,6 +41,7 @@ import torch
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
+from rollout_bus.events.rollouts import RequestBounds
 from rollout_bus.events.schema import STALENESS_PREFIX, Producer, TrainStepDone
 from rollout_bus.events.train_data import TrainData
 from rollout_bus.lm.hf import is_hf_dir
@@ -249,8 +250,9 @@ class Trainer:
     def _request(self, rollout_id: int, attempt: int = 1) -> None:
         state, client = self._st(), self._cl()
         request_id = client.request_id(state.run_id, rollout_id, attempt)
-        client.request(rollout_id, request_id, returned=state.returned)
-        state.returned = []
+        cap = RequestBounds().max_returned  # items given back beyond a request's bound wait for the next one
+        client.request(rollout_id, request_id, returned=state.returned[:cap])
+        state.returned = state.returned[cap:]
         state.in_flight[rollout_id] = request_id
         state.attempts[rollout_id] = attempt
         state.next_rollout_id = max(state.next_rollout_id, rollout_id + 1)

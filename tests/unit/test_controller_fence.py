@@ -158,7 +158,7 @@ def test_a_fence_refusal_while_the_lease_is_ours_raises_the_counter_and_takes_ov
 
     once: list[bool] = []
     log, runner = asyncio.run(scenario())
-    assert log == ["start token=1", "stop engines=False", "start token=41", "stop engines=None"]
+    assert log == ["start token=1", "stop engines=False", "start token=42", "stop engines=None"]
     assert runner.step_downs == 0 and len(runner.retakes) == 1
 
 
@@ -228,7 +228,19 @@ def test_a_leader_fenced_again_and_again_stops_chasing_the_token_and_lets_the_le
         return log, runner, holder
 
     log, runner, holder = asyncio.run(scenario())
-    assert log[:8] == ["start token=1", "stop engines=False", "start token=102", "stop engines=False",
-                       "start token=203", "stop engines=False", "start token=304", "stop engines=False"]
+    # each retake: the counter raised past the engine's highest, then the new tenure's own increment
+    assert log[:8] == ["start token=1", "stop engines=False", "start token=103", "stop engines=False",
+                       "start token=205", "stop engines=False", "start token=307", "stop engines=False"]
     assert len(runner.retakes) == 3 and runner.step_downs == 1
     assert holder is None  # released for another controller to try
+
+
+def test_a_leader_that_takes_its_own_unlapsed_lease_back_starts_a_new_tenure_with_a_new_token(
+        client: redis.Redis, keys: Keys) -> None:
+    """A leader that stepped down (its renewals went quiet) while its key had not lapsed yet takes it back
+    under a new token: its engines saw the old one, and an equal token reads as another holder's."""
+    me = Lease(client, keys.controller_lease, "me", 30.0)
+    assert me.try_acquire() and me.token == 1
+    assert me.try_acquire() and me.token == 2  # the key was still ours: a new tenure all the same
+    other = Lease(client, keys.controller_lease, "other", 30.0)
+    assert not other.try_acquire()

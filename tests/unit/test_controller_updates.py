@@ -24,7 +24,7 @@ from rollout_bus.controller.service import InferenceController
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.updates import WeightUpdater
 from rollout_bus.engine.http_client import EngineHTTPError
-from rollout_bus.events.names import Keys
+from rollout_bus.events.names import Keys, publication_key
 from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
 from rollout_bus.events.schema import (
     Producer,
@@ -202,9 +202,12 @@ def test_while_a_trainer_holds_the_policy_lease_only_its_publications_are_applie
     async def scenario() -> tuple[Rig, str | None, str | None]:
         rig = Rig(tmp_path, n=1)
         rig.client.hset(rig.keys.trainer_lease("default"), mapping={"owner": "trainer-0/1", "r0": "tok|9|h:1"})
+        genuine_key = rig.bus.publisher._dedupe_key(rig.keys.weight_stream, publication_key("default", 1))
+        rig.client.set(genuine_key, "1-1")  # the holder's own announcement of v1
         forged = rig.publication(1)
         forged = dataclasses.replace(forged, producer=Producer("trainer", "host-7-trainer-other"))
         refused = await rig.updater.submit(forged)
+        assert rig.client.get(genuine_key) == b"1-1"  # a forged event never drops the holder's key
         genuine = dataclasses.replace(rig.publication(2), producer=Producer("trainer", "host-7-trainer-0"))
         applied = await rig.updater.submit(genuine)
         await rig.settle()

@@ -73,6 +73,23 @@ def test_a_leased_ack_leaves_the_entry_pending_once_the_lease_is_lost(keys: Keys
     assert client.xpending(stream, "g")["pending"] == 0
 
 
+def test_a_leased_dead_letter_moves_nothing_once_the_lease_is_lost(keys: Keys) -> None:
+    client = fakeredis.FakeRedis()
+    stream = keys.batch_stream("alpha")
+    Publisher(client, keys, Producer("x", "x")).publish(stream, joined())
+    consumer = Consumer(client, keys, stream, "g", "c", ConsumerConfig(block_ms=0, auto_ack=False))
+    consumer.ensure_group()
+    [msg] = consumer.read()
+    hold(client, keys, "tok-b")
+    with pytest.raises(LeaseLost):
+        consumer.dead_letter(msg.id, msg.fields, "bad", 1, lease=LeaseFence(keys.trainer_lease("alpha"), "r0", "tok-a"))
+    assert client.xpending(stream, "g")["pending"] == 1 and client.xlen(keys.dead_letters) == 0
+    consumer.dead_letter(msg.id, msg.fields, "bad", 1, lease=LeaseFence(keys.trainer_lease("alpha"), "r0", "tok-b"))
+    assert client.xpending(stream, "g")["pending"] == 0
+    [(_, record)] = client.xrange(keys.dead_letters)
+    assert record[b"reason"] == b"bad" and record[b"entry_id"] == msg.id.encode()
+
+
 def test_a_leased_payload_release_changes_nothing_once_the_lease_is_lost(keys: Keys) -> None:
     client = fakeredis.FakeRedis()
     channel = BatchChannel(client, keys)

@@ -73,3 +73,11 @@ def test_numbers_past_one_byte_keep_the_event_decodable(client: redis.Redis, key
     for _ in range(2):
         pub.publish(keys.engine_stream, ready(EXECUTOR))
     assert [n for _, n in seqs(client, keys.engine_stream)] == [2**16 - 1, 2**16, 2**16 + 1, 127, 128]
+
+
+def test_numbers_past_four_bytes_neither_wrap_nor_read_as_unnumbered(client: redis.Redis, keys: Keys) -> None:
+    client.hset(keys.producer_seqs, str(CONTROLLER), 2**32 - 2)
+    pub = Publisher(client, keys, CONTROLLER)
+    for _ in range(3):
+        pub.publish(keys.engine_stream, ready())
+    assert [n for _, n in seqs(client, keys.engine_stream)] == [2**32 - 1, 2**32, 2**32 + 1]

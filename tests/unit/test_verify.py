@@ -186,3 +186,15 @@ def test_events_published_through_the_bus_and_exported_verify_with_no_gaps_and_n
     export_log(fake_client, keys, path)
     (v,) = verify_log(path)
     assert v.kind == "seq_gap" and v.ids["producer"] == str(EXEC)
+
+
+def test_a_number_near_two_to_the_sixty_four_is_a_gap_counted_without_listing_it() -> None:
+    """Any role may set a producer's counter (one ACL grant covers every publisher's): a huge number is a
+    reported gap, found from the numbers seen, not from a list of the range they span."""
+    steps = numbered(scenario())
+    stream, last = steps[-1]
+    huge = 2**63
+    steps.append((stream, dataclasses.replace(last, event_id="f" * 32, seq=huge)))
+    found = [v for v in verify(synthetic(steps)) if v.kind == "seq_gap"]
+    assert len(found) == 1 and found[0].ids["last"] == huge
+    assert found[0].ids["lost"] == huge - last.seq - 1 and len(found[0].ids["missing"]) <= 20
