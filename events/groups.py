@@ -121,7 +121,7 @@ def owner_alive(c: redis.Redis, keys: Keys, stream: str, group: str) -> str | No
         ttl_ms = int(raw_ttl) if raw_ttl is not None else 0
     except ValueError:
         log.warning("group %s of %s has a malformed TTL %r: its owner is taken as dead", group, stream,
-                    raw_ttl[:40])
+                    str(raw_ttl)[:40])
         ttl_ms = 0
     if ttl_ms <= 0:
         return None

@@ -146,7 +146,9 @@ class _Check:
             ordered = sorted(numbers)  # gaps from the numbers seen, never from the range they span: a forged
             top = ordered[-1]          # number near 2**64 must not cost a list of that many
             prev = 0 if self.config.from_start else ordered[0] - 1
-            lost, missing, around = 0, [], []
+            lost = 0
+            missing: list[int] = []
+            around: list[Any] = []
             for n in ordered:
                 if n > prev + 1:
                     lost += n - prev - 1
