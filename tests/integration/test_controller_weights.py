@@ -387,13 +387,14 @@ def test_engine_loads_come_from_v1_loads(keys: Keys, redis_server: RedisServer, 
                         for _ in range(3)]
             registry = Registry(redis_client, keys)
             await wait_until_async("a load of 3", lambda: registry.engines()[adopted(engines[0])].load == 3, 10)
+            other = registry.engines()[adopted(engines[1])].load  # read while engine 0 holds the 3 requests
             await asyncio.gather(*requests)
             await wait_until_async("the load back to 0", lambda: registry.engines()[adopted(engines[0])].load == 0, 10)
-            return registry.engines()[adopted(engines[1])].load
+            return other
         finally:
             await ctl.stop()
 
-    assert asyncio.run(scenario()) == 0
+    assert asyncio.run(scenario()) <= 1  # the other engine's own: at most a health check's /health_generate
 
 
 def test_an_adapter_the_engine_fails_on_is_a_refused_version_and_the_engine_is_not_restarted(
