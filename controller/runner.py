@@ -138,6 +138,7 @@ class LeaderRunner:
                 await service.stop(stop_engines=False)  # the next service adopts them, with the raised token
             else:
                 await service.stop()
+                await self._stop_launched()
                 with contextlib.suppress(BusError):  # unreleased, it lapses by itself
                     await asyncio.to_thread(self.lease.release)
             self.service = None
@@ -174,6 +175,17 @@ class LeaderRunner:
                   "over again with token %d", highest, token)
         self.retakes.append(now)
         return True
+
+    async def _stop_launched(self) -> None:
+        """A stop that leaves no leader behind: every engine this process launched that its service did not
+        stop (one the service never took over: a stop that came while it was starting) is stopped too."""
+        if self.launched is None:
+            return
+        for engine in self.launched.alive():
+            log.warning("engine %s (pid %d) was not taken over by the service that stopped: stopping it",
+                        engine.engine_id, engine.pid)
+            await ProcessHandle(engine.pid).stop(grace_s=5.0)
+            self.launched.drop(engine.engine_id, engine.pid)
 
     async def hand_over(self) -> None:
         """While another controller holds the lease: stop each engine this process launched that the registry
