@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import fakeredis
 import pytest
@@ -58,7 +59,8 @@ def test_a_leased_publish_goes_through_while_the_lease_holds_and_is_still_dedupl
     assert publisher.entry_for(keys.trainer_stream, "k") == first
 
 
-def test_a_leased_ack_leaves_the_entry_pending_once_the_lease_is_lost(keys: Keys) -> None:
+def delivered_while_another_holds_the_lease(keys: Keys) -> tuple[fakeredis.FakeRedis, str, Consumer, Any]:
+    """One entry delivered to consumer ``c`` of group ``g``, while ``tok-b`` holds the lease."""
     client = fakeredis.FakeRedis()
     stream = keys.batch_stream("alpha")
     Publisher(client, keys, Producer("x", "x")).publish(stream, joined())
@@ -66,6 +68,11 @@ def test_a_leased_ack_leaves_the_entry_pending_once_the_lease_is_lost(keys: Keys
     consumer.ensure_group()
     [msg] = consumer.read()
     hold(client, keys, "tok-b")
+    return client, stream, consumer, msg
+
+
+def test_a_leased_ack_leaves_the_entry_pending_once_the_lease_is_lost(keys: Keys) -> None:
+    client, stream, consumer, msg = delivered_while_another_holds_the_lease(keys)
     with pytest.raises(LeaseLost):
         consumer.ack(msg.id, lease=LeaseFence(keys.trainer_lease("alpha"), "r0", "tok-a"))
     assert client.xpending(stream, "g")["pending"] == 1
@@ -74,13 +81,7 @@ def test_a_leased_ack_leaves_the_entry_pending_once_the_lease_is_lost(keys: Keys
 
 
 def test_a_leased_dead_letter_moves_nothing_once_the_lease_is_lost(keys: Keys) -> None:
-    client = fakeredis.FakeRedis()
-    stream = keys.batch_stream("alpha")
-    Publisher(client, keys, Producer("x", "x")).publish(stream, joined())
-    consumer = Consumer(client, keys, stream, "g", "c", ConsumerConfig(block_ms=0, auto_ack=False))
-    consumer.ensure_group()
-    [msg] = consumer.read()
-    hold(client, keys, "tok-b")
+    client, stream, consumer, msg = delivered_while_another_holds_the_lease(keys)
     with pytest.raises(LeaseLost):
         consumer.dead_letter(msg.id, msg.fields, "bad", 1, lease=LeaseFence(keys.trainer_lease("alpha"), "r0", "tok-a"))
     assert client.xpending(stream, "g")["pending"] == 1 and client.xlen(keys.dead_letters) == 0
