@@ -20,7 +20,7 @@ import json
 import logging
 import re
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -169,6 +169,36 @@ class EngineClient:
         if lora_path is not None:
             payload["lora_path"] = lora_path
         return await self.post_generate(payload, timeout_s=timeout_s)
+
+    async def generate_stream(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
+                              rid: str, lora_path: str | None = None, return_logprob: bool = True,
+                              timeout_s: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        """A streamed ``POST /generate``: each ``data:`` chunk as a dict (SGLang's chunks are cumulative);
+        ``EngineHTTPError`` on any failure, as ``request``."""
+        payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                                   "return_logprob": return_logprob, "stream": True, "rid": rid}
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            async with self.session.post(self.url + "/generate", json=payload, headers=self._headers,
+                                         timeout=aiohttp.ClientTimeout(total=limit)) as resp:
+                if resp.status >= 400:
+                    raise EngineHTTPError(self.url, "/generate", resp.status, _message(_parse(await resp.read())))
+                async for line in resp.content:
+                    text = line.strip()
+                    if not text.startswith(b"data:"):
+                        continue
+                    data = text[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    chunk = _parse(data)
+                    if isinstance(chunk, dict):
+                        yield chunk
+        except TimeoutError:
+            raise EngineHTTPError(self.url, "/generate", 0, f"timed out after {limit:g}s", timed_out=True) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineHTTPError(self.url, "/generate", 0, f"{type(exc).__name__}: {exc}") from None
 
     async def post_generate(self, payload: Mapping[str, Any], *, timeout_s: float | None = None) -> Any:
         return await self.request("POST", "/generate", payload, timeout_s=timeout_s)

@@ -131,6 +131,11 @@ class Keys:
         return self._k("stream", "batches", check_name("policy", policy))
 
     @property
+    def session_stream(self) -> str:
+        """Agent session events (started, turn completed, closed), written by session gateways."""
+        return self._k("stream", "sessions")
+
+    @property
     def dead_letters(self) -> str:
         return self._k("stream", "dead-letters")
 
@@ -141,7 +146,7 @@ class Keys:
 
     def event_streams(self) -> list[str]:
         return [self.engine_stream, self.weight_stream, self.command_stream, self.rollout_stream,
-                self.trainer_stream, self.housekeeping_stream]
+                self.trainer_stream, self.housekeeping_stream, self.session_stream]
 
     # --- keys ------------------------------------------------------------------------
     def dedupe(self, stream: str, key: str) -> str:
@@ -250,6 +255,18 @@ class Keys:
         """Saved state of one executor data source."""
         return self._k("cursor", check_name("policy", policy), source)
 
+    def session(self, sid: str) -> str:
+        """One agent session's state and journal (``events.sessions``)."""
+        return self._k("session", check_name("session id", sid))
+
+    def session_busy(self, sid: str) -> str:
+        """The lock held by the call a session is serving."""
+        return self._k("session-busy", check_name("session id", sid))
+
+    def sessions_offered(self, policy: str) -> str:
+        """Sessions of ``policy`` waiting for an external agent to claim them."""
+        return self._k("sessions-offered", check_name("policy", policy))
+
     # --- rq queues (rq adds its own ``rq:queue:`` prefix) -------------------------------
     @property
     def rollout_queue(self) -> str:
@@ -277,7 +294,7 @@ def _fixed_streams(keys: Keys) -> dict[str, str]:
     return {
         "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
         "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
-        "housekeeping": keys.housekeeping_stream,
+        "housekeeping": keys.housekeeping_stream, "sessions": keys.session_stream,
     }
 
 

@@ -46,7 +46,7 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 SAFE_ID = NAME_PATTERN
 """The one name grammar (``events.names``): safe as a key part, a path component, an adapter name."""
-ID_FIELDS = frozenset({"policy", "batch_id", "request_id", "trainer_id", "engine_id", "group"})
+ID_FIELDS = frozenset({"policy", "batch_id", "request_id", "trainer_id", "engine_id", "group", "session_id"})
 """Event fields that other roles may turn into keys or file names: ``SAFE_ID`` or empty, checked at decode."""
 
 
@@ -368,6 +368,62 @@ class GroupExpired(Event):
     group: str
     lapsed_s: float
     payloads_released: int
+    since_version: ClassVar[int] = 2
+
+
+# --- agent sessions (the session gateway, in executors or on its own) --------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class SessionStarted(Event):
+    """A session was opened for an episode (``request_id`` empty for one opened by hand)."""
+
+    policy: str
+    session_id: str
+    request_id: str
+    attempt: int
+    external: bool = False
+    since_version: ClassVar[int] = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionTurn(Event):
+    """One call of a session completed: ``new_tokens`` appended (mask 0), ``output_tokens`` generated;
+    ``from_journal``: answered from the session's journal without an engine (a retried episode)."""
+
+    policy: str
+    session_id: str
+    turn: int
+    engine_id: str
+    new_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    oldest_version: int
+    newest_version: int
+    finish: str
+    gen_ms: float
+    env_ms: float
+    from_journal: bool = False
+    since_version: ClassVar[int] = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionClosed(Event):
+    """A session ended: ``status`` closed, failed, abandoned or overflow (``reason`` says why). ``digest``
+    is the xxh3-64 of its token ids and loss mask, as its sample carries them (``gateway.tito.digest``)."""
+
+    policy: str
+    session_id: str
+    request_id: str
+    status: str
+    reason: str
+    turns: int
+    tokens: int
+    model_tokens: int
+    reward: float
+    oldest_version: int
+    newest_version: int
+    engine_switches: int
+    digest: str
     since_version: ClassVar[int] = 2
 
 

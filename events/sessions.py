@@ -1,0 +1,337 @@
+"""Agent sessions on the bus: each session's state and journal, its one-call-at-a-time lock, offers to
+external agents.
+
+A session is one multi-turn episode served through the session gateway (``rollout_bus.gateway``). Its
+whole state lives here, not in any gateway process, so any gateway instance serves any session and a
+restart loses nothing:
+
+- ``session(sid)``: a hash with ``rev`` (bumped by every commit) and ``state`` (one msgpack map: the
+  session's header and its journal of turns, each with the exact token ids the engine saw and made);
+- ``session_busy(sid)``: the lock a call holds while it runs (``SET NX PX``), so that a second concurrent
+  call on the session is refused instead of interleaving turns; it expires on its own if the gateway
+  holding it dies;
+- ``sessions_offered(policy)``: a list of session ids waiting for an external agent to claim them.
+
+A call ``begin``s (takes the lock and reads the state in one script), works, then ``commit``s (writes the
+new state only if it still holds the lock and the revision did not move, and frees the lock, in one
+script). The state read back is untrusted: ``check_state`` validates every field a gateway turns into a
+token, a key or a number before it is used.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis
+
+from rollout_bus.events.errors import Failure
+from rollout_bus.events.names import Keys, check_name, name_problem
+
+STATE_VERSION = 1
+OPEN = "open"
+CLOSED = "closed"
+FAILED = "failed"
+ABANDONED = "abandoned"
+OVERFLOW = "overflow"
+STATUSES = (OPEN, CLOSED, FAILED, ABANDONED, OVERFLOW)
+"""A session is ``open`` until it ends: ``closed`` with a reward, ``failed`` (the agent raised),
+``abandoned`` (no close within the timeout), or ``overflow`` (its context outgrew the model's)."""
+DEFAULT_TTL_S = 24 * 3600
+"""How long a session's keys live after their last write."""
+MAX_STATE_BYTES = 64 << 20
+
+_BEGIN = """
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) == false then
+  return {'busy'}
+end
+local found = redis.call('HMGET', KEYS[1], 'rev', 'state')
+if found[1] == false then
+  redis.call('DEL', KEYS[2])
+  return {'missing'}
+end
+return {'ok', found[1], found[2]}
+"""
+
+_COMMIT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'lock' end
+local rev = redis.call('HGET', KEYS[1], 'rev')
+if rev ~= ARGV[2] then return 'rev' end
+redis.call('HSET', KEYS[1], 'rev', tostring(tonumber(rev) + 1), 'state', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+if ARGV[5] == '1' then redis.call('DEL', KEYS[2]) else redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
+return 'ok'
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class SessionError(Failure):
+    """A session call that cannot go on; ``code`` is the OpenAI-style error code, ``status`` the HTTP one."""
+
+    def __init__(self, message: str, *, code: str, status: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+class SessionNotFound(SessionError):
+    def __init__(self, sid: str) -> None:
+        super().__init__(f"session {sid!r} does not exist (it was never opened, or it expired)",
+                         code="session_not_found", status=404)
+
+
+class SessionBusy(SessionError):
+    def __init__(self, sid: str) -> None:
+        super().__init__(f"session {sid!r} is serving another call: a session takes one call at a time "
+                         "(wait for the previous reply before sending the next turn)",
+                         code="session_busy", status=409)
+
+
+class SessionConflict(SessionError):
+    def __init__(self, sid: str, why: str) -> None:
+        super().__init__(f"session {sid!r} changed under this call ({why}); send the call again",
+                         code="session_conflict", status=409)
+
+
+class BadState(SessionError):
+    def __init__(self, sid: str, why: str) -> None:
+        super().__init__(f"session {sid!r} has a malformed state on the bus: {why}", code="bad_session_state",
+                         status=500)
+
+
+def new_state(sid: str, policy: str, *, max_context: int, request_id: str = "", sample_index: int = -1,
+              item: Mapping[str, Any] | None = None, sampling: Mapping[str, Any] | None = None,
+              per_turn: bool = False) -> dict[str, Any]:
+    """The state of a session that has had no call yet."""
+    check_name("session id", sid)
+    check_name("policy", policy)
+    return {
+        "v": STATE_VERSION, "id": sid, "policy": policy, "status": OPEN, "reason": "",
+        "created_ms": _now_ms(), "closed_ms": 0, "attempt": 1, "position": 0, "engine_id": "",
+        "switches": 0, "reward": None, "max_context": int(max_context), "request_id": request_id,
+        "sample_index": int(sample_index), "item": dict(item or {}), "sampling": dict(sampling or {}),
+        "per_turn": bool(per_turn), "turns": [], "last_ms": 0, "engine_calls": 0, "engine_tokens": 0,
+    }
+
+
+_INT_LISTS = ("new_ids", "output_ids", "versions")
+
+
+def check_state(sid: str, state: Any) -> dict[str, Any]:
+    """``state`` when it is a well-formed session state, else ``BadState`` saying what is wrong."""
+    def bad(why: str) -> BadState:
+        return BadState(sid, why)
+
+    if not isinstance(state, dict):
+        raise bad(f"a map was expected, got {type(state).__name__}")
+    if state.get("v") != STATE_VERSION:
+        raise bad(f"state version {state.get('v')!r}, this gateway reads {STATE_VERSION}")
+    if state.get("id") != sid:
+        raise bad(f"it names session {state.get('id')!r}")
+    for key in ("policy", "engine_id", "request_id"):
+        value = state.get(key)
+        if not isinstance(value, str) or (value and name_problem(key, value) is not None):
+            raise bad(f"{key} {str(value)[:80]!r} is not a valid name")
+    if not state["policy"]:
+        raise bad("it has no policy")
+    if state.get("status") not in STATUSES:
+        raise bad(f"status {state.get('status')!r} is none of {STATUSES}")
+    for key in ("max_context", "attempt", "position", "switches", "sample_index", "engine_calls", "engine_tokens"):
+        if not _is_int(state.get(key)):
+            raise bad(f"{key} must be an integer")
+    if state["max_context"] <= 0:
+        raise bad("max_context must be positive")
+    reward = state.get("reward")
+    if reward is not None and (not isinstance(reward, int | float) or isinstance(reward, bool)
+                               or not math.isfinite(reward)):
+        raise bad("reward must be a finite number or nil")
+    turns = state.get("turns")
+    if not isinstance(turns, list):
+        raise bad("turns must be a list")
+    if not 0 <= state["position"] <= len(turns):
+        raise bad(f"position {state['position']} is outside its {len(turns)} turns")
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise bad(f"turn {i} is not a map")
+        for key in _INT_LISTS:
+            ids = turn.get(key)
+            if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise bad(f"turn {i}: {key} must be a list of non-negative integers")
+        logprobs = turn.get("logprobs")
+        if not isinstance(logprobs, list) or not all(isinstance(x, float | int) for x in logprobs):
+            raise bad(f"turn {i}: logprobs must be a list of numbers")
+        n_out = len(turn["output_ids"])
+        if len(logprobs) != n_out or len(turn["versions"]) != n_out:
+            raise bad(f"turn {i}: {n_out} output ids but {len(logprobs)} log-probs and "
+                      f"{len(turn['versions'])} versions")
+        if not isinstance(turn.get("messages"), list):
+            raise bad(f"turn {i}: messages must be a list")
+        engine = turn.get("engine_id")
+        if not isinstance(engine, str) or (engine and name_problem("engine_id", engine) is not None):
+            raise bad(f"turn {i}: engine_id is not a valid name")
+    for key in ("item", "sampling"):
+        if not isinstance(state.get(key), dict):
+            raise bad(f"{key} must be a map")
+    return state
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass
+class Held:
+    """A session read under its lock: commit the new state with ``SessionStore.commit``."""
+
+    sid: str
+    token: str
+    rev: bytes
+    state: dict[str, Any]
+
+
+class SessionStore:
+    """Session state on Redis (see the module docstring)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int = DEFAULT_TTL_S,
+                 lock_ms: int = 600_000) -> None:
+        self.client = client
+        self.keys = keys
+        self.ttl_s = int(ttl_s)
+        self.lock_ms = int(lock_ms)
+        """How long a call's lock lives if its gateway dies without freeing it (renewed by each commit)."""
+        self._begin = client.register_script(_BEGIN)
+        self._commit = client.register_script(_COMMIT)
+        self._release = client.register_script(_RELEASE)
+
+    # --- whole sessions -----------------------------------------------------------------------
+    def create(self, state: Mapping[str, Any]) -> bool:
+        """Store a new session; False (nothing written) when ``state['id']`` exists already."""
+        sid = check_name("session id", state["id"])
+        key = self.keys.session(sid)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(key, "rev", b"0")
+        pipe.hsetnx(key, "state", _pack(state))
+        pipe.expire(key, self.ttl_s)
+        created, _, _ = pipe.execute()
+        return bool(created)
+
+    def get(self, sid: str) -> dict[str, Any] | None:
+        """The session's state, or None when there is none."""
+        raw = self.client.hget(self.keys.session(check_name("session id", sid)), "state")
+        if raw is None:
+            return None
+        return check_state(sid, _unpack(sid, raw))
+
+    def delete(self, sid: str) -> None:
+        self.client.delete(self.keys.session(check_name("session id", sid)),
+                           self.keys.session_busy(sid))
+
+    # --- one call ------------------------------------------------------------------------------
+    def begin(self, sid: str, token: str) -> Held:
+        """Take the session's lock and read its state: ``SessionBusy`` / ``SessionNotFound`` otherwise."""
+        check_name("session id", sid)
+        reply = self._begin(keys=[self.keys.session(sid), self.keys.session_busy(sid)],
+                            args=[token, self.lock_ms])
+        tag = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        if tag == "busy":
+            raise SessionBusy(sid)
+        if tag == "missing":
+            raise SessionNotFound(sid)
+        rev, raw = reply[1], reply[2]
+        if raw is None:
+            self.release(sid, token)
+            raise BadState(sid, "it has a revision but no state")
+        try:
+            state = check_state(sid, _unpack(sid, raw))
+        except BadState:
+            self.release(sid, token)
+            raise
+        return Held(sid, token, rev, state)
+
+    def commit(self, held: Held, state: Mapping[str, Any], *, release: bool = True) -> None:
+        """Write ``state`` if ``held`` still holds the lock and nobody wrote since; frees the lock (unless
+        ``release`` is False: a call that goes on, as a stream between its engine calls)."""
+        reply = self._commit(keys=[self.keys.session(held.sid), self.keys.session_busy(held.sid)],
+                             args=[held.token, held.rev, _pack(state), self.ttl_s, "1" if release else "0",
+                                   self.lock_ms])
+        tag = reply.decode() if isinstance(reply, bytes) else str(reply)
+        if tag == "lock":
+            raise SessionConflict(held.sid, "its call lock expired or was taken over")
+        if tag == "rev":
+            raise SessionConflict(held.sid, "another writer committed first")
+        held.rev = str(int(held.rev) + 1).encode()
+        held.state = dict(state)
+
+    def release(self, sid: str, token: str) -> None:
+        self._release(keys=[self.keys.session_busy(sid)], args=[token])
+
+    def update(self, sid: str, token: str, change: Any) -> dict[str, Any]:
+        """``change(state) -> state`` under the lock, committed; the new state."""
+        held = self.begin(sid, token)
+        try:
+            new = change(dict(held.state))
+        except BaseException:
+            self.release(sid, token)
+            raise
+        self.commit(held, new)
+        return new
+
+    # --- external agents -----------------------------------------------------------------------
+    def offer(self, policy: str, sids: list[str]) -> None:
+        """Put sessions where external agents of ``policy`` claim them (``claim``)."""
+        if sids:
+            key = self.keys.sessions_offered(policy)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.rpush(key, *[check_name("session id", s) for s in sids])
+            pipe.expire(key, self.ttl_s)
+            pipe.execute()
+
+    def claim(self, policy: str) -> str | None:
+        """The oldest offered session of ``policy`` still open, taken off the list; None when none is."""
+        key = self.keys.sessions_offered(policy)
+        while True:
+            raw = self.client.lpop(key)
+            if raw is None:
+                return None
+            sid = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if name_problem("session id", sid) is not None:
+                continue
+            state = self.get(sid)
+            if state is not None and state["status"] == OPEN and not state["turns"]:
+                return sid
+
+    def withdraw(self, policy: str, sids: list[str]) -> None:
+        """Take sessions off the offered list (the executor stopped waiting for them)."""
+        if sids:
+            key = self.keys.sessions_offered(policy)
+            pipe = self.client.pipeline(transaction=False)
+            for sid in sids:
+                pipe.lrem(key, 0, sid)
+            pipe.execute()
+
+
+def _pack(state: Mapping[str, Any]) -> bytes:
+    raw = msgpack.packb(dict(state), use_bin_type=True)
+    if len(raw) > MAX_STATE_BYTES:
+        raise SessionError(f"session {state.get('id')!r} would grow past {MAX_STATE_BYTES} bytes",
+                           code="context_length_exceeded", status=400)
+    return bytes(raw)
+
+
+def _unpack(sid: str, raw: bytes) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        raise BadState(sid, f"not msgpack ({exc})") from None

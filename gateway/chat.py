@@ -1,0 +1,330 @@
+"""Chat messages in, tokens out: validation, the model's chat template, and incremental rendering.
+
+The gateway never tokenizes the model's own output again (token-in, token-out). On each call it renders
+only the messages the client added since the last turn: ``ChatFormat.suffix`` renders the recorded
+history with and without the new messages, checks that the template wrote the history the same way both
+times (a template that re-renders earlier turns, as one that drops old "thinking" blocks, is reported
+with the first differing character, never hidden), and tokenizes only the difference, after the text the
+template writes behind an assistant message that the model did not write itself (``"\\n"`` after
+``<|im_end|>``, or the whole end-of-turn when the reply was cut at its length limit).
+
+Two formats: ``HFChat`` (a model directory's tokenizer and its Jinja chat template, through
+``transformers``) and ``CharChat`` (the project's tiny character-level LM, whose vocabulary has no room for
+a Jinja template's markup: ``role:content|`` per message, the assistant's ended by ``<eos>``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from rollout_bus.events.errors import Failure
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+Message = dict[str, Any]
+
+
+class ChatError(Failure):
+    """A request the gateway cannot serve as sent; ``param`` names the field, ``code`` is OpenAI-style."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_request",
+                 status: int = 400, position: int | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.status = status
+        self.position = position
+
+
+# --- messages ------------------------------------------------------------------------------------
+
+def canonical(message: Any, where: str) -> Message:
+    """One message in the one form the gateway compares and renders: role, content (text), and, where
+    present, name, tool_calls (id, type, function name and arguments as a string) and tool_call_id.
+    Fields an OpenAI client echoes back with no meaning here (``refusal``, ``annotations``, None values)
+    are dropped; anything malformed is a ``ChatError`` naming the field."""
+    if not isinstance(message, Mapping):
+        raise ChatError(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}",
+                        param=where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise ChatError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+    out: Message = {"role": "system" if role == "developer" else role, "content": _content(message, where)}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise ChatError(f"{where}.name must be a string", param=f"{where}.name")
+        out["name"] = name
+    calls = message.get("tool_calls")
+    if calls:
+        if role != "assistant":
+            raise ChatError(f"{where}.tool_calls is only allowed on assistant messages", param=f"{where}.tool_calls")
+        if not isinstance(calls, list):
+            raise ChatError(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)]
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ChatError(f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
+        if call_id:
+            out["tool_call_id"] = call_id
+    return out
+
+
+def _content(message: Mapping[str, Any], where: str) -> str:
+    content = message.get("content")
+    if content is None:
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            return ""
+        raise ChatError(f"{where}.content is missing", param=f"{where}.content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatError(f"{where}.content[{i}]: only text parts ({{'type': 'text', 'text': ...}}) are "
+                                "supported", param=f"{where}.content[{i}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ChatError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
+                    param=f"{where}.content")
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        raise ChatError(f"{where} must be an object with a 'function'", param=where)
+    fn = call["function"]
+    name, arguments = fn.get("name"), fn.get("arguments", "{}")
+    if not isinstance(name, str) or not name:
+        raise ChatError(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return {"id": str(call.get("id") or ""), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def canonical_messages(messages: Any) -> list[Message]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("messages must be a non-empty list of messages", param="messages")
+    return [canonical(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """``tools`` as OpenAI defines them (function tools), or None."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ChatError("tools must be a list of function tools", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if (not isinstance(tool, Mapping) or tool.get("type") != "function"
+                or not isinstance(tool.get("function"), Mapping)
+                or not isinstance(tool["function"].get("name"), str)):
+            raise ChatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                            "...}}", param=f"tools[{i}]")
+        out.append(json.loads(json.dumps(tool)))
+    return out or None
+
+
+# --- tool calls in the model's output (the Hermes / Qwen form many templates use) ------------------
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """The reply's content and its tool calls: each ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+    block becomes a call; a block that is not such JSON stays in the content, as the model wrote it."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            body = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            continue
+        arguments = body.get("arguments", body.get("parameters", {}))
+        kept.append(text[last:match.start()])
+        last = match.end()
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": body["name"],
+                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+    kept.append(text[last:])
+    return ("".join(kept).strip() if calls else text), calls
+
+
+# --- formats ---------------------------------------------------------------------------------------
+
+class ChatFormat(Protocol):
+    name: str
+    supports_tools: bool
+    max_context: int
+    stop_token_ids: tuple[int, ...]
+
+    def render(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Every token as text, special tokens included."""
+        ...
+
+    def reply_text(self, ids: Sequence[int]) -> str:
+        """A reply's text: up to its first stop token, special tokens left out."""
+        ...
+
+
+@dataclass
+class Rendered:
+    ids: list[int]
+    text: str
+
+
+def first_render(fmt: ChatFormat, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> Rendered:
+    text = fmt.render(messages, tools=tools, add_generation_prompt=True)
+    return Rendered(fmt.encode(text), text)
+
+
+def suffix(fmt: ChatFormat, history: Sequence[Message], new: Sequence[Message], *, last_output: Sequence[int],
+           tools: list[dict[str, Any]] | None) -> Rendered:
+    """Tokens to append after the recorded session for the ``new`` messages, ready for the next reply.
+
+    ``history`` ends with the assistant message whose tokens (``last_output``) the engine made. Raises
+    ``ChatError`` (code ``template_mismatch``) when the template writes the history differently once the
+    new messages follow it."""
+    before = fmt.render(history, tools=tools, add_generation_prompt=False)
+    after = fmt.render([*history, *new], tools=tools, add_generation_prompt=True)
+    if not after.startswith(before):
+        at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after)))
+        raise ChatError(
+            f"the chat template renders the earlier turns differently once the new messages follow them "
+            f"(first difference at character {at}: {before[at:at + 40]!r} became {after[at:at + 40]!r}); the "
+            "session's tokens would no longer be what a fresh render gives, so the call is refused",
+            code="template_mismatch", status=409, param="messages", position=at)
+    tail = turn_tail(fmt, history[-1], tools)
+    made = fmt.decode(last_output)
+    overlap = max((j for j in range(len(tail) + 1) if made.endswith(tail[:j])), default=0)
+    text = tail[overlap:] + after[len(before):]
+    return Rendered(fmt.encode(text), text)
+
+
+def turn_tail(fmt: ChatFormat, assistant: Message, tools: list[dict[str, Any]] | None) -> str:
+    """What the template writes after an assistant message's content (its end-of-turn and separator)."""
+    marker = "\u2063TAIL\u2063" if fmt.name != "char" else "qqzzqq"
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
+    text = fmt.render(probe, tools=tools, add_generation_prompt=False)
+    at = text.rfind(marker)
+    return text[at + len(marker):] if at >= 0 else ""
+
+
+class HFChat:
+    """A Hugging Face model directory's tokenizer and chat template."""
+
+    name = "hf"
+
+    def __init__(self, path: str, *, max_context: int | None = None) -> None:
+        from rollout_bus.lm.hf_tokenizer import load
+
+        self.tokenizer = load(str(path))
+        self.hf = self.tokenizer.hf
+        template = str(self.hf.chat_template or "")
+        self.supports_tools = "tools" in template
+        self.stop_token_ids = self.tokenizer.stop_token_ids
+        self.max_context = int(max_context or _model_context(path) or 2048)
+
+    def render(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool) -> str:
+        try:
+            text = self.hf.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template's own raise_exception (e.g. roles out of order)
+            raise ChatError(f"the model's chat template refused the messages: {exc}", param="messages") from None
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.hf(text, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=False))
+
+    def reply_text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _model_context(path: str) -> int | None:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") or config.get("n_positions") or config.get("max_seq_len")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+class CharChat:
+    """The tiny character-level LM's chat form: ``role:content|`` per message, ``assistant:`` to reply, the
+    reply ended by ``<eos>``. Only the LM's characters can be written (lowercase letters, digits, a few
+    symbols); anything else is a ``ChatError`` naming the character."""
+
+    name = "char"
+    supports_tools = False
+
+    def __init__(self, *, max_context: int = 512) -> None:
+        from rollout_bus.lm import tokenizer
+
+        self._tok = tokenizer
+        self.max_context = max_context
+        self.stop_token_ids = (tokenizer.EOS_ID,)
+
+    def render(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool) -> str:
+        parts = []
+        for m in messages:
+            if m["role"] == "assistant":
+                parts.append(f"assistant:{m['content']}<eos>")
+            else:
+                parts.append(f"{m['role']}:{m['content']}|")
+        if add_generation_prompt:
+            parts.append("assistant:")
+        return "".join(parts)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, piece in enumerate(text.split("<eos>")):
+            if i:
+                ids.append(self._tok.EOS_ID)
+            try:
+                ids.extend(self._tok.encode(piece))
+            except ValueError as exc:
+                raise ChatError(f"the tiny LM cannot write this text: {exc}", param="messages") from None
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join("<eos>" if t == self._tok.EOS_ID else self._tok.decode([t]) for t in ids)
+
+    def reply_text(self, ids: Sequence[int]) -> str:
+        out = []
+        for t in ids:
+            if t == self._tok.EOS_ID:
+                break
+            out.append(t)
+        return str(self._tok.decode(out))
+
+
+def load_format(model_path: str | None, *, max_context: int | None = None) -> ChatFormat:
+    """``HFChat`` for a Hugging Face model directory (its config names a ``model_type``), ``CharChat``
+    for the tiny LM's (or for no directory)."""
+    if model_path:
+        try:
+            config = json.loads((Path(model_path) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        if config.get("model_type"):
+            return HFChat(model_path, max_context=max_context)
+    return CharChat(max_context=max_context or 512)
