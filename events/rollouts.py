@@ -141,6 +141,12 @@ class RolloutRequest:
     executor returns them to the policy's data source the first time this request draws
     prompts, exactly once whatever the retries, and they go out first. Each needs an
     integer ``index``."""
+    agent: str = ""
+    """Agent episodes (an executor started with ``--agent``): empty, the executor runs its agent on each
+    sample; ``external``, it opens the sessions and hands them out to external agent processes (claimed
+    through a gateway's ``POST /sessions/claim``), then waits for each to be closed with its reward."""
+    agent_timeout_s: float = 600.0
+    """How long an external agent has to close a session before it is recorded as abandoned."""
 
     @classmethod
     def create(cls, policy: str, rollout_id: int, n_groups: int, n_samples_per_group: int, *,
@@ -218,6 +224,11 @@ class RolloutRequest:
         for name in ("eval", "std_normalise"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false")
+        if self.agent not in AGENT_MODES:
+            problems.append(f"agent must be one of {AGENT_MODES}, got {self.agent!r}")
+        if (isinstance(self.agent_timeout_s, bool) or not isinstance(self.agent_timeout_s, int | float)
+                or not 0 < self.agent_timeout_s <= 86400):
+            problems.append(f"agent_timeout_s must be a number of seconds in (0, 86400], got {self.agent_timeout_s!r}")
         if problems:
             raise InvalidRequest("invalid rollout request: " + "; ".join(problems))
 
@@ -253,6 +264,9 @@ class RolloutRequest:
         except TypeError as exc:
             raise InvalidRequest(f"invalid rollout request: {exc}") from None
         return request
+
+
+AGENT_MODES = ("", "external")
 
 
 def _int(value: Any) -> bool:

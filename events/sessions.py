@@ -274,6 +274,10 @@ class SessionStore:
         held.rev = str(int(held.rev) + 1).encode()
         held.state = dict(state)
 
+    def unlock(self, sid: str) -> None:
+        """Break the session's call lock, whoever holds it (its owner is known dead)."""
+        self.client.delete(self.keys.session_busy(check_name("session id", sid)))
+
     def release(self, sid: str, token: str) -> None:
         self._release(keys=[self.keys.session_busy(sid)], args=[token])
 

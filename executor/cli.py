@@ -36,6 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-args", default="{}",
                    help='JSON object: build the tokenizer with these, e.g. --tokenizer '
                         'rollout_bus.lm.hf_tokenizer.ChatTokenizer --tokenizer-args \'{"path": "MODEL_DIR"}\'')
+    a = p.add_argument_group("agents (multi-turn episodes through the session gateway)")
+    a.add_argument("--agent", default=None,
+                   help="dotted path of 'async def episode(client, item) -> reward' (an OpenAI client bound to the "
+                        "sample's session), or 'external' (sessions handed out to agents that run elsewhere)")
+    a.add_argument("--agent-model-path", default=None,
+                   help="the served model's directory, for its chat template (default: the tiny LM's form)")
+    a.add_argument("--agent-max-context", type=int, default=None)
+    a.add_argument("--gateway-host", default="127.0.0.1", help="where this executor's gateway listens")
+    a.add_argument("--gateway-port", type=int, default=0, help="0: a free port")
     r = p.add_argument_group("engines")
     r.add_argument("--registry-refresh-s", type=float, default=0.5)
     r.add_argument("--engine-cooldown-s", type=float, default=2.0)
@@ -70,6 +79,14 @@ def config_from_args(ns: argparse.Namespace) -> Any:
     tokenizer_args = json.loads(ns.tokenizer_args)
     if not isinstance(tokenizer_args, dict):
         raise SystemExit("--tokenizer-args must be a JSON object")
+    agent = None
+    if ns.agent:
+        from rollout_bus.executor.agents import AgentConfig
+
+        if ns.agent_max_context is not None and ns.agent_max_context <= 0:
+            raise SystemExit("--agent-max-context must be positive")
+        agent = AgentConfig(ns.agent, model_path=ns.agent_model_path, max_context=ns.agent_max_context,
+                            host=ns.gateway_host, port=ns.gateway_port)
     return ExecutorConfig(
         redis_url=ns.redis_url, namespace=ns.namespace or Keys.from_env().namespace, index=ns.index,
         payload_store=ns.payload_store,
@@ -82,7 +99,7 @@ def config_from_args(ns: argparse.Namespace) -> Any:
                             partial_rollout=not ns.no_partial_rollout),
         rollout=RolloutConfig(max_sampling_rounds=ns.max_sampling_rounds),
         heartbeat_ttl_s=ns.heartbeat_ttl_s, heartbeat_interval_s=ns.heartbeat_interval_s,
-        reap_interval_s=ns.reap_interval_s, worker_ttl_s=ns.worker_ttl_s, metrics_port=ns.metrics_port,
+        reap_interval_s=ns.reap_interval_s, worker_ttl_s=ns.worker_ttl_s, metrics_port=ns.metrics_port, agent=agent,
         log_level=ns.log_level)
 
 

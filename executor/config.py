@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from rollout_bus.events.names import DEFAULT_NAMESPACE
 from rollout_bus.events.rollouts import RequestBounds
+from rollout_bus.executor.agents import AgentConfig
 from rollout_bus.executor.engines import RouterConfig
 from rollout_bus.executor.plugins import PluginConfig
 from rollout_bus.executor.rollout import RolloutConfig
@@ -46,6 +47,8 @@ class ExecutorConfig:
     """How often this executor looks for abandoned jobs (one executor at a time does it)."""
     worker_ttl_s: int = 30
     """rq worker key TTL; an idle worker also runs rq maintenance every ``worker_ttl_s - 15`` s."""
+    agent: AgentConfig | None = None
+    """Run agent episodes through the session gateway instead of single-turn generation (``executor.agents``)."""
     metrics_port: int | None = None
     """Serve Prometheus ``/metrics`` on this port (0: any free one); None: not at all."""
     log_level: str = "INFO"

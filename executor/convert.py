@@ -62,6 +62,17 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         marks = [s.metadata[key] for s in samples if isinstance(s.metadata.get(key), bool)]
         if marks:
             judged[f"{key}_frac"] = sum(marks) / len(marks)
+    episodes = [s for s in samples if "session_id" in s.metadata]
+    if episodes:  # agent episodes (executor.agents)
+        m = len(episodes)
+        judged.update(
+            turns_mean=sum(int(s.metadata.get("turns", 0)) for s in episodes) / m,
+            tool_calls_mean=sum(int(s.metadata.get("tool_calls", 0)) for s in episodes) / m,
+            generation_s=sum(float(s.metadata.get("generation_s", 0.0)) for s in episodes),
+            environment_s=sum(float(s.metadata.get("environment_s", 0.0)) for s in episodes),
+            engine_switches=float(sum(int(s.metadata.get("engine_switches", 0)) for s in episodes)),
+            episodes_failed=float(sum(s.metadata.get("session_status") in ("failed", "abandoned")
+                                      for s in episodes)))
     return {**judged,
         "samples": float(len(samples)),
         "reward_mean": sum(rewards) / n,

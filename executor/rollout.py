@@ -135,6 +135,9 @@ class RolloutRunner:
             "consumed_indices": sorted(used), "filtered": dict(reasons),
             "labels": [g.item.get("label") for g in kept], "metrics": metrics,
         }
+        sessions = session_records(samples)
+        if sessions:
+            metadata["sessions"] = sessions
         data = to_train_data(samples, rollout_id=request.rollout_id, std_normalise=request.std_normalise,
                              eps=self.config.reward_eps, metadata=metadata)
         return RolloutOutcome(data, used, metrics)
@@ -258,6 +261,17 @@ class RolloutRunner:
             return verdict
         raise FilterError(f"filter {self.plugins.config.filter_path!r} returned {verdict!r}; "
                           "return a bool or a FilterResult")
+
+
+SESSION_FIELDS = ("session_id", "session_status", "turns", "tool_calls", "generation_s", "environment_s",
+                  "engine_switches", "attempt", "engine_calls", "engine_tokens", "digest")
+
+
+def session_records(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """Per sample made by an agent episode: its session and what happened in it (the batch metadata's
+    ``sessions``, which ``replay verify`` checks against the sessions stream)."""
+    return [{"index": s.index, **{k: s.metadata[k] for k in SESSION_FIELDS if k in s.metadata}}
+            for s in samples if "session_id" in s.metadata]
 
 
 def first_error(group_error: BaseExceptionGroup[Any]) -> BaseException:

@@ -35,6 +35,7 @@ from rollout_bus.events.rollouts import RolloutRequest
 from rollout_bus.events.schema import Producer, RolloutCompleted, RolloutStarted
 from rollout_bus.events.submit import queue_name, registry_policies
 from rollout_bus.executor import jobs
+from rollout_bus.executor.agents import AgentRunner
 from rollout_bus.executor.config import ExecutorConfig
 from rollout_bus.executor.cursor import CursorStore
 from rollout_bus.executor.engines import EngineCaller, EngineRouter, EngineTime
@@ -76,6 +77,7 @@ class ExecutorService:
         self._reaper: Reaper | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
+        self.agents: AgentRunner | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> ExecutorService:
@@ -92,6 +94,8 @@ class ExecutorService:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="executor-loop", daemon=True)
         self._loop_thread.start()
+        if cfg.agent is not None:
+            self._start_agents(cfg, client, plugins)
         rq_client = connect(cfg.redis_url, socket_timeout_s=None, retries=3)  # rq does not go through Guard
         queues: list[Queue] = [ReliableQueue(queue_name(self.keys, kind == "eval"), connection=rq_client,
                                              serializer=JSONSerializer) for kind in cfg.queues]
@@ -107,6 +111,19 @@ class ExecutorService:
         log.info("executor %s started on namespace %s, queues %s", self.name, self.keys.namespace,
                  [q.name for q in queues])
         return self
+
+    def _start_agents(self, cfg: ExecutorConfig, client: Any, plugins: Plugins) -> None:
+        """The session gateway on this executor's loop; the agent replaces the generate and reward plug-ins."""
+        from rollout_bus.executor.agents import AgentRunner
+
+        assert cfg.agent is not None
+        self.agents = AgentRunner(cfg.agent, client, self.keys, instance=self.name, api_key=cfg.router.api_key)
+        self._on_loop(self.agents.start())
+        plugins.generate = self.agents.generate
+        plugins.reward = self.agents.reward
+        plugins.config.generate_path = f"agent {cfg.agent.agent}"
+        plugins.config.reward_path = f"agent {cfg.agent.agent} (the episode's reward)"
+        plugins.config.group_reward = False
 
     def work(self, *, burst: bool = False, max_jobs: int | None = None) -> bool:
         """Run the rq worker loop in this (main) thread; True if it processed any job."""
@@ -124,6 +141,9 @@ class ExecutorService:
             self._reaper.stop()
             self._reaper = None
         if self._loop is not None and self._loop_thread is not None:
+            if self.agents is not None:
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(self.agents.stop(), self._loop).result(5)
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(close_shared_session(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)

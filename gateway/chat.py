@@ -327,4 +327,7 @@ def load_format(model_path: str | None, *, max_context: int | None = None) -> Ch
             config = {}
         if config.get("model_type"):
             return HFChat(model_path, max_context=max_context)
+        seq = config.get("max_seq_len")
+        if max_context is None and isinstance(seq, int) and seq > 0:
+            max_context = seq
     return CharChat(max_context=max_context or 512)

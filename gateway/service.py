@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_bus.engine.http_client import EngineHTTPError
 from rollout_bus.events.names import name_problem
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import SessionClosed, SessionStarted, SessionTurn
@@ -113,9 +114,10 @@ class Gateway:
     # --- sessions --------------------------------------------------------------------------------
     def open(self, sid: str, policy: str, *, request_id: str = "", sample_index: int = -1,
              item: Mapping[str, Any] | None = None, sampling: Mapping[str, Any] | None = None,
-             max_context: int | None = None, external: bool = False) -> dict[str, Any]:
+             max_context: int | None = None, external: bool = False, takeover: bool = False) -> dict[str, Any]:
         """Open session ``sid``, or reopen it for a new attempt of its episode (its journal kept, replayed
-        from the first turn). A session already ended is returned as it is."""
+        from the first turn). A session already ended is returned as it is. ``takeover``: the caller owns
+        the episode (its executor's job was retried), so a call lock left by the dead attempt is broken."""
         state = new_state(sid, policy, max_context=max_context or self.fmt.max_context, request_id=request_id,
                           sample_index=sample_index, item=item, sampling=sampling)
         if self.store.create(state):
@@ -123,6 +125,8 @@ class Gateway:
             self._publish_started(state, external)
             return state
         token = uuid.uuid4().hex
+        if takeover:
+            self.store.unlock(sid)
 
         def reopen(current: dict[str, Any]) -> dict[str, Any]:
             if current["policy"] != policy:
@@ -234,6 +238,9 @@ class Gateway:
                 self._publish_closed(ended)
                 raise
             env_ms = float(arrived_ms - state["last_ms"]) if state["last_ms"] else 0.0
+            if plan.repeat and plan.journal is not None:
+                self.metrics.turns.labels("repeat").inc()
+                return TurnReply(state, plan.journal, plan, True, _usage(plan, plan.journal))
             if plan.journal is not None:
                 new_state_ = replay_journal(state, plan)
                 new_state_["last_ms"] = _now_ms()
@@ -252,6 +259,12 @@ class Gateway:
                                                  rid=f"{sid}-{state['attempt']}-{plan.turn}", on_tokens=on_tokens)
             except NoEngine as exc:
                 raise SessionError(str(exc), code="no_engine", status=503) from None
+            except EngineHTTPError as exc:
+                if exc.rejected and not exc.overloaded:
+                    raise SessionError(f"the engine refused the turn: {exc}", code="engine_rejected",
+                                       status=400) from None
+                raise SessionError(f"no engine could serve the turn: {exc}", code="engine_failed",
+                                   status=502) from None
             gen_s = time.perf_counter() - started
             turn = self._turn_record(plan, out, gen_s * 1000, env_ms)
             new_state_ = apply_turn(state, plan, turn)

@@ -67,6 +67,9 @@ class Plan:
     discarded: int = 0
     """Journal turns dropped because this call differs from them."""
     history: list[Message] = field(default_factory=list)
+    repeat: bool = False
+    """A retried call of the session's last turn (its reply was lost on the way): answered again from the
+    journal, the session unchanged, so a client's retry never makes a second trajectory."""
     digest: str = ""
     """The call's parameters (``params_digest``), recorded with the turn so a journal answers only the same call."""
 
@@ -128,6 +131,10 @@ def _plan_chat(fmt: ChatFormat, state: Mapping[str, Any], raw_messages: Any, *,
     messages = canonical_messages(raw_messages)
     pos = state["position"]
     recorded = history(state, pos)
+    if pos and messages == recorded[:-1] and state["turns"][pos - 1].get("params") == digest:
+        last = state["turns"][pos - 1]
+        return Plan(CHAT, list(last["messages"]), list(last["new_ids"]), tokens(state, pos - 1) + list(last["new_ids"]),
+                    pos - 1, journal=last, repeat=True)
     for i, want in enumerate(recorded):
         if i >= len(messages):
             raise ChatError(f"the messages stop after {len(messages)} of the session's {len(recorded)} recorded "

@@ -43,3 +43,25 @@ async def scripted_generate(ctx: Any, sample: Sample) -> Sample:
 
 def bad_group_reward(samples: list[Sample]) -> list[float]:
     return [1.0, 0.0]
+
+
+# --- agent episodes (executor --agent) -----------------------------------------------------------
+
+async def steady_episode(client: Any, item: dict[str, Any]) -> float:
+    """Six turns whose messages depend only on the replies (so a retried episode asks the same things),
+    with a pause between turns as an environment would take: the reward is the number of turns / 6."""
+    import asyncio
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"game {item['index']}. say something."}]
+    for turn in range(6):
+        reply = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+        messages.append({"role": "user", "content": f"turn {turn + 1}. again."})
+        await asyncio.sleep(0.3)
+    return 1.0
+
+
+async def raising_episode(client: Any, item: dict[str, Any]) -> float:
+    """One turn, then the environment breaks."""
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    raise RuntimeError("the sandbox fell over")
