@@ -232,7 +232,7 @@ class SessionStore:
         raw = self.client.hget(self.keys.session(check_name("session id", sid)), "state")
         if raw is None:
             return None
-        return check_state(sid, _unpack(sid, raw))
+        return check_state(sid, _unpack(sid, raw if isinstance(raw, bytes) else str(raw).encode()))
 
     def delete(self, sid: str) -> None:
         self.client.delete(self.keys.session(check_name("session id", sid)),

@@ -242,7 +242,8 @@ class HFChat:
     def render(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool) -> str:
         try:
-            text = self.hf.apply_chat_template(list(messages), tools=tools, tokenize=False,
+            text = self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None,  # type: ignore[arg-type]
+                                               tokenize=False,
                                                add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # a template's own raise_exception (e.g. roles out of order)
             raise ChatError(f"the model's chat template refused the messages: {exc}", param="messages") from None
@@ -280,7 +281,7 @@ class CharChat:
 
         self._tok = tokenizer
         self.max_context = max_context
-        self.stop_token_ids = (tokenizer.EOS_ID,)
+        self.stop_token_ids: tuple[int, ...] = (tokenizer.EOS_ID,)
 
     def render(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool) -> str:

@@ -68,10 +68,10 @@ async def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0, api
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    server = site._server
     bound = port
-    if server is not None and getattr(server, "sockets", None):
-        bound = server.sockets[0].getsockname()[1]
+    sockets = getattr(site._server, "sockets", None)
+    if sockets:
+        bound = int(sockets[0].getsockname()[1])
     return Running(runner, host, bound)
 
 

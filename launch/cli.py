@@ -35,6 +35,7 @@ from types import FrameType
 
 from rollout_bus.events.names import name_arg
 from rollout_bus.launch.config import (
+    AGENTS,
     DEFAULT_LORA,
     LOG_BACKENDS,
     MODEL_DEFAULTS,
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--eval-groups", type=int, default=d.eval_groups,
                    help="held-out problems scored before and after training (0: none)")
     m.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per held-out problem")
+    a = p.add_argument_group("agents (multi-turn episodes through the session gateway)")
+    a.add_argument("--agent", default=None, choices=sorted(AGENTS),
+                   help="play this multi-turn environment instead of the single-turn task (tiny LM or --model)")
     x = p.add_argument_group("extras")
     x.add_argument("--recorder", action="store_true", help="record the first policy's batches")
     x.add_argument("--metrics-base-port", type=int, default=d.metrics_base_port, metavar="PORT",
@@ -155,6 +159,8 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
             problems.append("give --lora or --full, not both")
     if config.full and config.model is None:
         problems.append("--full needs --model (the tiny LM always trains full weights)")
+    if config.agent is not None and config.task:
+        problems.append("--task sets the word-problem task; an --agent run plays its own environment")
     if config.eval_groups < 0 or config.eval_samples < 1:
         problems.append("--eval-groups must be >= 0 and --eval-samples >= 1")
     if config.restart_budget < 0:

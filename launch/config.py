@@ -8,7 +8,7 @@ from typing import Any
 
 from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES
 
-__all__ = ["DEFAULT_LORA", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK", "MODES", "STALE_POLICIES", "RunConfig",
+__all__ = ["AGENTS", "DEFAULT_LORA", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK", "MODES", "STALE_POLICIES", "RunConfig",
            "RunFailed", "RunResult", "metrics_ports"]
 
 
@@ -56,6 +56,9 @@ class RunConfig:
     eval_groups: int = 24
     """Held-out (eval split) problems scored before and after training; 0: no eval."""
     eval_samples: int = 2
+    agent: str | None = None
+    """A multi-turn environment played through the session gateway (a name in ``AGENTS``) instead of the
+    single-turn task; each sample is one episode."""
     # --- warm start ----------------------------------------------------------------------------
     warm_steps: int = 400
     warm_keep: float = 0.25
@@ -111,6 +114,21 @@ MODEL_TASK: dict[str, Any] = {"min_steps": 1, "max_steps": 2, "max_number": 20, 
 """The word-problem task of a HF-model run (``tasks.math_words.MathWordsSource`` options): one- and two-step
 problems (SmolLM2-135M answers almost none of three steps), a short answer asked for; reward 1 for the right
 number as ``#### N``, 0.5 for the right number in other words, 0.2 for a wrong one as ``#### N``."""
+
+
+AGENTS: dict[str, dict[str, Any]] = {
+    "guess": {"episode": "rollout_bus.tasks.guess.episode", "source": "rollout_bus.tasks.guess.GuessSource",
+              "tiny": {"low": 1, "high": 16, "max_turns": 4}, "model": {"low": 1, "high": 50, "max_turns": 6}},
+    "verifiers-guess": {"episode": "rollout_bus.tasks.verifiers_env.episode",
+                        "source": "rollout_bus.tasks.verifiers_env.VerifiersSource",
+                        "tiny": {"env": "guess", "low": 1, "high": 16, "max_turns": 4},
+                        "model": {"env": "guess", "low": 1, "high": 50, "max_turns": 6}},
+}
+"""``--agent NAME``: the agent's episode, its data source, and the source's options on the tiny LM and on a
+real model (``--model``). ``verifiers-guess`` is the same game written as a ``verifiers`` environment
+(``tasks.verifiers_env``), run unchanged through the gateway."""
+AGENT_CONTEXT = 512
+"""The tiny LM of an agent run is a fresh one with this context (the warm-started one has 64 positions)."""
 
 
 def metrics_ports(config: RunConfig) -> dict[str, int]:

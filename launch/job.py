@@ -79,7 +79,9 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     holding = False
     try:
         epoch = create_epoch(client, keys)  # before any role: each checks it, and so does _follow
-        if config.model is not None:
+        if config.agent is not None:
+            init, task = _agent_setup(config, out)
+        elif config.model is not None:
             init = resolve_model(config.model)
             task = task_options(config, init)
             check_context(init, task, config.max_new_tokens)
@@ -267,8 +269,35 @@ def _health_args(config: RunConfig) -> list[str]:
     return [] if config.model is None else ["--health-timeout-s", str(MODEL_HEALTH_TIMEOUT_S)]
 
 
+def _agent_setup(config: RunConfig, out: Path) -> tuple[Path, dict[str, Any]]:
+    """An agent run's model (the real one, or a fresh tiny LM with room for several turns) and its source's options."""
+    from rollout_bus.launch.config import AGENT_CONTEXT, AGENTS
+
+    spec = AGENTS[str(config.agent)]
+    if config.model is not None:
+        return resolve_model(config.model), {**spec["model"], "seed": config.seed}
+    from rollout_bus.engine.init_weights import init_weights_dir
+    from rollout_bus.lm.model import ModelConfig
+
+    init = out / "init-agent"
+    if not (init / "config.json").is_file():
+        init_weights_dir(init, ModelConfig(max_seq_len=AGENT_CONTEXT), config.seed)
+    return init, {**spec["tiny"], "seed": config.seed}
+
+
 def _task_args(config: RunConfig, init: Path, task: dict[str, Any]) -> list[str]:
-    """The executors' plug-ins: the tiny LM's arithmetic, or word problems in the model's chat template."""
+    """The executors' plug-ins: the tiny LM's arithmetic, word problems in the model's chat template, or an
+    agent's episodes through the executor's session gateway."""
+    if config.agent is not None:
+        from rollout_bus.launch.config import AGENTS
+
+        spec = AGENTS[config.agent]
+        args = ["--agent", spec["episode"], "--agent-model-path", str(init), "--data-source", spec["source"],
+                "--data-source-args", json.dumps(task)]
+        if config.model is not None:
+            args += ["--tokenizer", "rollout_bus.lm.hf_tokenizer.ChatTokenizer", "--tokenizer-args",
+                     json.dumps({"path": str(init)})]
+        return args
     if config.model is None:
         return ["--data-source-args", json.dumps(task)]
     return ["--data-source", "rollout_bus.tasks.math_words.MathWordsSource", "--data-source-args", json.dumps(task),
@@ -304,7 +333,7 @@ def _evaluate(config: RunConfig, client: Any, keys: Any, procs: Any, policy: str
     serving = _wait_policy(client, keys, procs, policy, version, 300.0)
     if serving < 0:
         raise RunFailed(f"policy {policy} was not served within 300s: no {phase} eval")
-    chat = hf_tokenizer.load(str(task["tokenizer"]))
+    chat = hf_tokenizer.load(str(task.get("tokenizer") or resolve_model(str(config.model))))
     request = RolloutRequest.create(
         policy, 0, config.eval_groups, config.eval_samples, timeout_s=600.0, eval=True,
         request_id=f"eval-{namespace}-{policy}-{phase}-{uuid.uuid4().hex[:8]}",

@@ -33,7 +33,9 @@ class GuessSource(IndexedSource):
     """Games by sequence number: the secret number of game ``index`` is fixed by ``seed``."""
 
     def __init__(self, low: int = 1, high: int = 100, max_turns: int = MAX_TURNS, seed: int = 0,
-                 size: int | None = None) -> None:
+                 size: int | None = None, split: str = "train") -> None:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         if not isinstance(low, int) or not isinstance(high, int) or not low < high:
             raise ValueError(f"low and high must be integers with low < high, got {low!r} and {high!r}")
         if not isinstance(max_turns, int) or not 1 <= max_turns <= 64:
@@ -42,11 +44,12 @@ class GuessSource(IndexedSource):
             raise ValueError(f"size must be a positive integer or None, got {size!r}")
         super().__init__()
         self.low, self.high, self.max_turns, self.seed, self.size = low, high, max_turns, seed, size
-        self.name = f"guess-{low}-{high}-t{max_turns}-s{seed}" + (f"-n{size}" if size else "")
+        self.split = split
+        self.name = f"guess-{split}-{low}-{high}-t{max_turns}-s{seed}" + (f"-n{size}" if size else "")
 
     def item(self, index: int) -> dict[str, Any]:
         game = index % self.size if self.size else index
-        secret = random.Random(f"{self.seed}:{game}").randint(self.low, self.high)
+        secret = random.Random(f"{self.seed}:{self.split}:{game}").randint(self.low, self.high)
         return {"index": index, "prompt": rules(self.low, self.high, self.max_turns), "label": secret,
                 "metadata": {"low": self.low, "high": self.high, "max_turns": self.max_turns}}
 
