@@ -2,7 +2,7 @@
 # render-acl.sh TEMPLATE OUT: the ACL file Redis loads, from deploy/users.acl (events/acl.py renders that).
 # Each #${VAR} becomes the SHA-256 of the password in $VAR, or in the file named by $VAR_FILE (a secret).
 # The role passwords are required: without one, nothing is written and Redis does not start. A user
-# whose optional password (ADMIN, REPLICATION, SENTINEL) is not given stays off, with no password.
+# whose optional password (ADMIN, REPLICATION, SENTINEL, GATEWAY) is not given stays off, with no password.
 set -eu
 required="CONTROLLER_PASSWORD EXECUTOR_PASSWORD TRAINER_PASSWORD STATUS_PASSWORD"
 template=$1

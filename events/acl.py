@@ -97,6 +97,21 @@ def _publisher(streams: tuple[str, ...], dedupe: tuple[str, ...], sent_by: str) 
                   "a durable write waiting for its replicas (events/connection.py status_hook)"))
 
 
+def _sessions(sent_by: str) -> tuple[Grant, ...]:
+    """Serving agent sessions (events/sessions.py): their state and call locks, the offers to external
+    agents, and the session events."""
+    k = _K
+    return (
+        *_publisher((k.session_stream,), (_stream_any(k.session_stream),), f"session events ({sent_by})"),
+        Grant((_pattern(k.session(_ANY)),), ("hsetnx", "hset", "expire", "del"),
+              "session state and journal (events/sessions.py)"),
+        Grant((_pattern(k.session_busy(_ANY)),), ("set", "get", "del", "pexpire"),
+              "a session's call lock (events/sessions.py)"),
+        Grant((_pattern(k.sessions_offered(_ANY)),), ("rpush", "lpop", "lrem", "expire"),
+              "sessions offered to external agents (events/sessions.py)"),
+    )
+
+
 def controller() -> Role:
     k = _K
     return Role("controller", "CONTROLLER_PASSWORD", (
@@ -143,8 +158,15 @@ def executor() -> Role:
         Grant(("rq:*",), ("@hash", "@list", "@set", "@sortedset", "@string", "@keyspace", "@stream",
                           "@transaction", "-@dangerous"),
               "the rq worker, its registries and the reaper (executor/worker.py, rq)"),
+        *_sessions("the executor's own gateway, executor/agents.py"),
         SCRIPTS), keyless=(*CONNECTION, "info", "multi", "exec", "discard", "subscribe", "unsubscribe"),
         channels=("rq:pubsub:*",))
+
+
+def gateway() -> Role:
+    """``rollout-bus gateway``: sessions and their events, nothing else."""
+    return Role("gateway", "GATEWAY_PASSWORD", (*_sessions("gateway/service.py"), SCRIPTS),
+                keyless=(*CONNECTION, "multi", "exec", "discard"), required=False)
 
 
 def trainer(policy: str = TRAINER_POLICY) -> Role:
@@ -180,7 +202,7 @@ def status() -> Role:
                 keyless=(*CONNECTION[:3],))
 
 
-ROLES = (controller, executor, trainer, status)
+ROLES = (controller, executor, trainer, status, gateway)
 
 
 def _user(role: Role) -> str:
@@ -200,7 +222,7 @@ def render(*trainer_policies: str) -> str:
              "user replication on #${REPLICATION_PASSWORD} resetkeys resetchannels -@all +psync +replconf +ping",
              "user sentinel on #${SENTINEL_PASSWORD} resetkeys &__sentinel__:hello -@all +multi +slaveof +ping "
              "+exec +subscribe +config|rewrite +role +publish +info +client|setname +client|kill +script|kill"]
-    lines += [_user(role()) for role in (controller, executor, status)]
+    lines += [_user(role()) for role in (controller, executor, status, gateway)]
     lines += [_user(trainer(policy)) for policy in (trainer_policies or (TRAINER_POLICY,))]
     return "\n".join(lines) + "\n"
 

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 POLICY = acl.TRAINER_POLICY  # the trainer user's own policy
 OTHER = "p1"
 PASSWORDS = {f"{user.upper()}_PASSWORD": f"{user}-test-password" for user in ("controller", "executor", "trainer",
-                                                                               "status", "admin")}
+                                                                               "status", "admin", "gateway")}
 
 
 def render_acl(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -207,6 +207,45 @@ def test_the_executor_runs_rq_jobs_and_writes_rollouts_and_batches_but_never_wei
     refused(lambda: exe.xadd(keys.trainer_stream, {"e": b"x"}))
 
 
+def test_the_gateway_serves_sessions_and_touches_nothing_else(acl_server: AclServer, tmp_path: Path) -> None:
+    """The real gateway under its own user: a whole session (open, two turns, an edit refused, close, an offer
+    claimed), with a real engine behind it; then what it must not do."""
+    from rollout_bus.events.sessions import SessionStore, new_state
+    from tests.engine_proc import EngineProcess, call, make_weights_dir
+    from tests.support.gateway import GatewayThread
+
+    keys = Keys("gw")
+    engine = EngineProcess(make_weights_dir(tmp_path / "tiny", seed=0))
+    try:
+        Registry(acl_server.client("controller"), keys).put_engine(
+            EngineRecord("e0", engine.url, EngineState.SERVING, versions={POLICY: 0}, base_policy=POLICY))
+        with GatewayThread(acl_server.url("gateway"), keys, None) as gw:
+            assert call(gw.url + "/sessions", "POST", {"session_id": "acl", "policy": POLICY})[0] == 200
+            messages = [{"role": "user", "content": "hi"}]
+            status, reply = call(gw.session_url("acl") + "/chat/completions", "POST",
+                                 {"messages": messages, "max_tokens": 3})
+            assert status == 200, reply
+            messages += [reply["choices"][0]["message"], {"role": "user", "content": "more"}]
+            assert call(gw.session_url("acl") + "/chat/completions", "POST",
+                        {"messages": messages, "max_tokens": 3})[0] == 200
+            assert call(gw.session_url("acl") + "/chat/completions", "POST",
+                        {"messages": [{"role": "user", "content": "edited"}, *messages[1:]]})[0] == 409
+            assert call(gw.url + "/sessions/acl/close", "POST", {"reward": 1.0})[0] == 200
+            SessionStore(acl_server.client("executor"), keys).create(
+                new_state("offered", POLICY, max_context=64))
+            SessionStore(acl_server.client("executor"), keys).offer(POLICY, ["offered"])
+            status, claimed = call(gw.url + "/sessions/claim", "POST", {"policy": POLICY})
+            assert status == 200 and claimed["session"]["id"] == "offered"
+    finally:
+        engine.stop()
+    gateway = acl_server.client("gateway")
+    assert len(gateway.xrange(keys.session_stream)) >= 4
+    refused(lambda: gateway.xadd(keys.weight_stream, {"e": b"x"}))
+    refused(lambda: gateway.xadd(keys.batch_stream(POLICY), {"e": b"x"}))
+    refused(lambda: gateway.hset(keys.engine_registry, "e0", b"x"))
+    refused(lambda: gateway.rpush(f"rq:queue:{keys.rollout_queue}", b"x"))
+
+
 def test_the_trainer_consumes_batches_and_publishes_weights_but_never_touches_engines(acl_server: AclServer) -> None:
     keys = Keys("trn")
     exe, trainer = acl_server.client("executor"), acl_server.client("trainer")
@@ -275,7 +314,7 @@ def test_the_acl_file_is_the_one_events_acl_derives() -> None:
 
 
 def test_the_acl_file_needs_every_role_password_and_leaves_admin_off_without_one(tmp_path: Path) -> None:
-    roles = {k: v for k, v in PASSWORDS.items() if k != "ADMIN_PASSWORD"}
+    roles = {k: v for k, v in PASSWORDS.items() if k not in ("ADMIN_PASSWORD", "GATEWAY_PASSWORD")}  # optional
     for missing in roles:
         done = render_acl(tmp_path / "users.acl", {k: v for k, v in roles.items() if k != missing})
         assert done.returncode != 0 and f"set {missing}" in done.stderr
