@@ -126,6 +126,42 @@ class TrainerView:
 
 
 @dataclass
+class TurnView:
+    turn: int
+    engine_id: str
+    new_tokens: int
+    output_tokens: int
+    versions: str
+    from_journal: bool
+    gen_ms: float
+    env_ms: float
+
+
+@dataclass
+class SessionView:
+    session_id: str
+    policy: str
+    request_id: str = ""
+    status: str = "open"
+    reason: str = ""
+    attempts: int = 0
+    started_ms: int | None = None
+    closed_ms: int | None = None
+    turns: list[TurnView] = field(default_factory=list)
+    reward: float | None = None
+    engine_switches: int = 0
+    versions: str = ""
+
+    @property
+    def engines(self) -> list[str]:
+        out: list[str] = []
+        for t in self.turns:
+            if t.engine_id and (not out or out[-1] != t.engine_id):
+                out.append(t.engine_id)
+        return out
+
+
+@dataclass
 class Timeline:
     at_ms: int | None = None
     last_id: str | None = None
@@ -136,6 +172,10 @@ class Timeline:
     batches: dict[str, BatchView] = field(default_factory=dict)
     requests: dict[str, RequestView] = field(default_factory=dict)
     trainers: dict[str, TrainerView] = field(default_factory=dict)
+    sessions: dict[str, SessionView] = field(default_factory=dict)
+
+    def session(self, session_id: str, policy: str) -> SessionView:
+        return self.sessions.setdefault(session_id, SessionView(session_id, policy))
 
     def engine(self, engine_id: str) -> EngineView:
         return self.engines.setdefault(engine_id, EngineView(engine_id))
@@ -282,6 +322,29 @@ _FOLDS: dict[type[s.Event], Callable[[Timeline, Any, int], None]] = {
 }
 
 
+def _session(t: Timeline, ev: Any, ms: int) -> None:
+    view = t.session(ev.session_id, ev.policy)
+    if isinstance(ev, s.SessionStarted):
+        view.request_id = ev.request_id or view.request_id
+        view.attempts = max(view.attempts, ev.attempt)
+        view.started_ms = view.started_ms if view.started_ms is not None else ms
+    elif isinstance(ev, s.SessionTurn):
+        versions = (str(ev.oldest_version) if ev.oldest_version == ev.newest_version
+                    else f"{ev.oldest_version}..{ev.newest_version}")
+        view.turns = [turn for turn in view.turns if turn.turn < ev.turn]  # a retried episode replays from 0
+        view.turns.append(TurnView(ev.turn, ev.engine_id, ev.new_tokens, ev.output_tokens, versions,
+                                   ev.from_journal, ev.gen_ms, ev.env_ms))
+    elif isinstance(ev, s.SessionClosed):
+        view.status, view.reason, view.closed_ms = ev.status, ev.reason, ms
+        view.reward, view.engine_switches = ev.reward, ev.engine_switches
+        view.versions = (str(ev.oldest_version) if ev.oldest_version == ev.newest_version
+                         else f"{ev.oldest_version}..{ev.newest_version}")
+        view.request_id = ev.request_id or view.request_id
+
+
+_FOLDS.update({cls: _session for cls in (s.SessionStarted, s.SessionTurn, s.SessionClosed)})
+
+
 def apply(t: Timeline, item: LogEvent) -> None:
     """Fold one event into ``t``."""
     ev = item.event
@@ -348,6 +411,20 @@ def render(t: Timeline, *, max_batches: int = 20) -> str:
         [[b.batch_id, b.policy, b.rollout_id, b.n_samples, f"{b.min_weight_version}..{b.max_weight_version}",
           b.staleness, b.staleness_source, ",".join(c.trainer_id for c in b.consumptions) or "-"]
          for b in shown])]
+    if t.sessions:
+        shown_sessions = sorted(t.sessions.values(), key=lambda v: v.started_ms or 0)
+        shown_sessions = shown_sessions[-max_batches:] if max_batches else shown_sessions
+        status_counts: dict[str, int] = {}
+        for v in t.sessions.values():
+            status_counts[v.status] = status_counts.get(v.status, 0) + 1
+        out += ["", f"SESSIONS ({' '.join(f'{k}={n}' for k, n in sorted(status_counts.items()))}; showing "
+                    f"{len(shown_sessions)}; turns as engine:new+output, J: from the journal)", format_table(
+            ["session", "policy", "status", "attempts", "reward", "versions", "engines", "turns"],
+            [[v.session_id, v.policy, v.status, v.attempts, None if v.reward is None else f"{v.reward:.3g}",
+              v.versions or "-", ">".join(v.engines) or "-",
+              " ".join(f"{'J' if tv.from_journal else tv.engine_id}:{tv.new_tokens}+{tv.output_tokens}"
+                       for tv in v.turns) or "-"]
+             for v in shown_sessions])]
     out += ["", "TRAINERS", format_table(
         ["trainer", "policy", "group", "step", "weight_version", "consumed", "rejected"],
         [[tr.trainer_id, tr.policy, tr.group, tr.step, tr.weight_version, tr.consumed, tr.rejected]

@@ -42,7 +42,8 @@ from rollout_bus.replay.logfile import LogEvent, LogReader, Payload, decode_entr
 log = logging.getLogger(__name__)
 
 Kind = Literal["version_not_published", "version_not_received", "version_backwards", "missing_batch",
-               "duplicate_batch", "batch_mismatch", "duplicate_completion", "seq_gap", "seq_repeat"]
+               "duplicate_batch", "batch_mismatch", "duplicate_completion", "seq_gap", "seq_repeat",
+               "session_mismatch", "session_not_closed"]
 GAP_EXAMPLES = 20
 """Missing numbers named per producer (the count is always whole)."""
 
@@ -89,6 +90,10 @@ class _Check:
     numbers: dict[str, dict[int, str]] = field(default_factory=lambda: defaultdict(dict))
     """producer -> sequence number -> the entry that has it."""
     trimmed: bool = False
+    session_samples: dict[tuple[str, str], list[SessionSample]] = field(default_factory=dict)
+    """Per exported batch payload: its samples made by agent sessions."""
+    sessions_closed: dict[str, tuple[str, LogEvent]] = field(default_factory=dict)
+    session_checks: list[tuple[SessionSample, LogEvent]] = field(default_factory=list)
 
     def add(self, kind: Kind, message: str, ids: dict[str, Any], *entries: str) -> None:
         self.violations.append(Violation(kind, message, ids, list(entries)))
@@ -200,12 +205,31 @@ class _Check:
                 self.need_published(item, ev.policy, version, f"batch {ev.batch_id} has samples of",
                                     batch_id=ev.batch_id, request_id=ev.request_id)
             self.batches[ev.request_id].append((ev.batch_id, item))
+            for sample in self.session_samples.pop((item.stream, item.id), []):
+                self.session_checks.append((sample, item))
+        elif isinstance(ev, s.SessionClosed):
+            self.sessions_closed[ev.session_id] = (ev.digest, item)
         elif isinstance(ev, s.RolloutCompleted):
             self.completed[ev.request_id].append((ev.batch_id, item))
+
+    def sessions(self) -> None:
+        """Each agent session's sample is its journal: the digest of the sample's tokens and loss mask in the
+        batch equals the one its session closed with (a sample left out of training has an all-zero mask)."""
+        for sample, item in self.session_checks:
+            closed = self.sessions_closed.get(sample.session_id)
+            ids = {"session_id": sample.session_id, "batch_id": item.event.batch_id}
+            if closed is None:
+                self.add("session_not_closed", f"batch {item.event.batch_id} has a sample of session "
+                         f"{sample.session_id}, which never closed", ids, _ref(item))
+            elif sample.trained and closed[0] != sample.digest:
+                self.add("session_mismatch", f"the sample of session {sample.session_id} in batch "
+                         f"{item.event.batch_id} is not its journal (digest {sample.digest}, the session closed "
+                         f"with {closed[0]})", ids, _ref(item), _ref(closed[1]))
 
     def finish(self) -> list[Violation]:
         self.settle()
         self.gaps()
+        self.sessions()
         for request_id, batches in self.batches.items():
             if len(batches) > 1:
                 ids = sorted({b for b, _ in batches})
@@ -237,6 +261,37 @@ def verify(events: Iterable[LogEvent], config: VerifyConfig | None = None) -> li
     return check.finish()
 
 
+@dataclass(frozen=True)
+class SessionSample:
+    session_id: str
+    digest: str
+    trained: bool
+
+
+def session_samples(data: bytes | memoryview) -> list[SessionSample]:
+    """The samples of an encoded batch that agent sessions made, with the digest of their tokens and mask."""
+    from rollout_bus.events.train_data import TrainData
+    from rollout_bus.gateway.tito import digest
+
+    batch = decode(bytearray(data), verify=False)
+    records = batch.meta.get("sessions") if isinstance(batch.meta, dict) else None
+    if not records:
+        return []
+    data_ = TrainData.from_batch(batch)
+    by_index = {int(i): k for k, i in enumerate(data_.sample_indices.tolist())}
+    out = []
+    for record in records:
+        k = by_index.get(int(record.get("index", -1)))
+        sid = record.get("session_id")
+        if k is None or not isinstance(sid, str):
+            continue
+        view = data_.sample(k)
+        mask = [int(m) for m in view.loss_mask.tolist()]
+        ids = [int(t) for t in view.tokens.tolist()]
+        out.append(SessionSample(sid, digest(ids, [0] * int(view.prompt_length) + mask), any(mask)))
+    return out
+
+
 def sample_versions(data: bytes | memoryview) -> set[int]:
     """Every weight version the samples of an encoded batch (``events.batch``) report."""
     batch = decode(bytearray(data), verify=False)
@@ -262,6 +317,9 @@ def verify_log(path: str | Path, config: VerifyConfig | None = None, *, samples:
                 if samples:
                     try:
                         check.sample_versions[(record.stream, record.entry_id)] = sample_versions(record.data)
+                        found = session_samples(record.data)
+                        if found:
+                            check.session_samples[(record.stream, record.entry_id)] = found
                     except DecodeError as exc:
                         log.warning("batch %s: payload not readable (%s): only its event's versions are checked",
                                     record.batch_id, exc.reason)

@@ -3,8 +3,10 @@ in-process session gateway, and for external agents a gateway of its own and the
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import redis
 
 from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.names import Keys
+from rollout_bus.events.publish import Publisher
 from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
 from rollout_bus.events.schema import SessionClosed, SessionTurn
 from rollout_bus.events.sessions import SessionStore
@@ -21,6 +24,11 @@ from rollout_bus.events.submit import RolloutSubmitter
 from rollout_bus.executor.agents import session_id
 from rollout_bus.gateway.tito import digest, trajectory
 from rollout_bus.lm.model import ModelConfig
+from rollout_bus.replay.exporter import export_log
+from rollout_bus.replay.logfile import LogReader, decode_entries, only_entries
+from rollout_bus.replay.payloads import payload_store
+from rollout_bus.replay.timeline import render, timeline
+from rollout_bus.replay.verify import verify_log
 from tests.engine_proc import EngineProcess, call, make_weights_dir
 from tests.support.executor_procs import (
     ExecutorProcess,
@@ -71,7 +79,7 @@ def sessions_closed(client: redis.Redis, keys: Keys) -> list[SessionClosed]:
 
 def test_an_agent_run_makes_one_sample_per_episode(redis_server: RedisServer, redis_client: redis.Redis,
                                                    keys: Keys, engine: EngineProcess, model: Path,
-                                                   executors: list[ExecutorProcess]) -> None:
+                                                   executors: list[ExecutorProcess], tmp_path: Path) -> None:
     register_engines(redis_client, keys, {"e0": engine.url})
     request = RolloutRequest.create("p", 0, 2, 2, sampling=SAMPLING, timeout_s=120)
     RolloutSubmitter(redis_client, keys).submit(request)
@@ -100,6 +108,27 @@ def test_an_agent_run_makes_one_sample_per_episode(redis_server: RedisServer, re
         assert float(data.raw_reward[record["index"] - data.sample_indices.min().item()]) == pytest.approx(closed[sid].reward)
     metrics = rollout_events(redis_client, keys, "RolloutCompleted")[0].metrics
     assert metrics["turns_mean"] >= 1 and "environment_s" in metrics
+    # the log replays: the timeline draws every session and its turns, verify finds each sample is its journal
+    log_path = tmp_path / "run.rblog"
+    store_ = payload_store(redis_client, keys)
+    try:
+        export_log(redis_client, keys, log_path, payloads=store_)
+    finally:
+        store_.close()
+    assert verify_log(log_path) == []
+    with LogReader(log_path) as reader:
+        text = render(timeline(decode_entries(only_entries(reader))), max_batches=0)
+    assert "SESSIONS (closed=4" in text and all(sid in text for sid in closed)
+    # a sample that is not its journal is caught: the session closes again with another digest
+    forged = dataclasses.replace(next(iter(closed.values())), digest="0" * 16, event_id=uuid.uuid4().hex, seq=0)
+    Publisher(redis_client, keys, forged.producer).publish(keys.session_stream, forged)
+    store_ = payload_store(redis_client, keys)
+    try:
+        export_log(redis_client, keys, tmp_path / "forged.rblog", payloads=store_)
+    finally:
+        store_.close()
+    problems = verify_log(tmp_path / "forged.rblog")
+    assert [p.kind for p in problems] == ["session_mismatch"] and forged.session_id in problems[0].message
 
 
 def test_an_agent_that_raises_fails_its_session_not_the_batch(redis_server: RedisServer, redis_client: redis.Redis,
