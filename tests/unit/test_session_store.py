@@ -1,0 +1,101 @@
+"""The session store on fakeredis (with Lua): the call lock, revision-checked commits, hostile states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fakeredis
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_bus.events.names import Keys
+from rollout_bus.events.sessions import (
+    BadState,
+    SessionBusy,
+    SessionConflict,
+    SessionNotFound,
+    SessionStore,
+    check_state,
+    new_state,
+)
+
+
+@pytest.fixture()
+def store() -> SessionStore:
+    return SessionStore(fakeredis.FakeRedis(), Keys("t"))
+
+
+def test_one_call_at_a_time(store: SessionStore) -> None:
+    assert store.create(new_state("s", "p", max_context=64))
+    assert not store.create(new_state("s", "p", max_context=64))  # never overwritten
+    held = store.begin("s", "a")
+    with pytest.raises(SessionBusy):
+        store.begin("s", "b")
+    store.commit(held, {**held.state, "position": 0, "engine_id": "e0"})
+    again = store.begin("s", "b")  # the commit freed the lock
+    assert again.state["engine_id"] == "e0"
+    store.release("s", "b")
+
+
+def test_a_commit_after_losing_the_lock_or_the_race_is_refused(store: SessionStore) -> None:
+    store.create(new_state("s", "p", max_context=64))
+    held = store.begin("s", "a")
+    store.unlock("s")  # a retried episode took the session over
+    other = store.begin("s", "b")
+    with pytest.raises(SessionConflict):
+        store.commit(held, held.state)
+    store.commit(other, other.state)
+    stale = store.begin("s", "c")
+    stale.rev = b"0"
+    with pytest.raises(SessionConflict):
+        store.commit(stale, stale.state)
+
+
+def test_unknown_sessions_and_bad_ids(store: SessionStore) -> None:
+    with pytest.raises(SessionNotFound):
+        store.begin("nobody", "a")
+    assert store.get("nobody") is None
+    with pytest.raises(ValueError, match="'/'"):
+        store.get("a/etc")
+
+
+def test_offers_are_claimed_once(store: SessionStore) -> None:
+    for sid in ("a", "b"):
+        store.create(new_state(sid, "p", max_context=64))
+    store.offer("p", ["a", "b"])
+    assert [store.claim("p"), store.claim("p"), store.claim("p")] == ["a", "b", None]
+
+
+def test_a_malformed_state_is_bad_state_not_a_crash(store: SessionStore) -> None:
+    key = store.keys.session("s")
+    store.client.hset(key, mapping={"rev": b"0", "state": b"\xc1not msgpack"})
+    with pytest.raises(BadState):
+        store.get("s")
+    with pytest.raises(BadState):
+        store.begin("s", "a")
+    assert store.client.exists(store.keys.session_busy("s")) == 0  # the lock went back
+
+
+base = new_state("s", "p", max_context=64)
+turn = {"kind": "chat", "messages": [], "new_ids": [1], "output_ids": [2], "logprobs": [-1.0], "versions": [0],
+        "engine_id": "e0", "finish": "stop", "reply": {}}
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.sampled_from(sorted(base)), value=st.none() | st.integers(-2**62, 2**62) | st.text(max_size=70)
+       | st.lists(st.integers(-2**62, 2**62), max_size=3) | st.floats(allow_nan=True) | st.booleans(),
+       turn_key=st.sampled_from(sorted(turn)), turn_value=st.none() | st.integers(-3, 3) | st.text(max_size=5)
+       | st.lists(st.integers(-2, 2), max_size=3))
+def test_any_tampered_state_is_rejected_or_still_well_formed(key: str, value: Any, turn_key: str,
+                                                              turn_value: Any) -> None:
+    for state in ({**base, key: value}, {**base, "turns": [{**turn, turn_key: turn_value}], "position": 1}):
+        raw = msgpack.packb(state, use_bin_type=True)
+        try:
+            checked = check_state("s", msgpack.unpackb(raw, raw=False))
+        except BadState:
+            continue
+        assert checked["policy"] and checked["max_context"] > 0 and 0 <= checked["position"] <= len(checked["turns"])
+        for t in checked["turns"]:
+            assert len(t["output_ids"]) == len(t["logprobs"]) == len(t["versions"])
