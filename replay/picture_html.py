@@ -20,7 +20,7 @@ from rollout_bus.replay.picture import Mark, Picture, Span
 
 STATE_COLOURS = {
     "launching": "#9ecae1", "pending_weights": "#c6dbef", "serving": "#31a354", "unhealthy": "#e6550d",
-    "restarting": "#fd8d3c", "offloaded": "#bcbddc", "stopped": "#bdbdbd", "unknown": "#f0f0f0",
+    "restarting": "#fd8d3c", "offloaded": "#bcbddc", "draining": "#fdd0a2", "stopped": "#bdbdbd", "unknown": "#f0f0f0",
 }
 STALENESS_COLOURS = ["#1a9850", "#f0a30a", "#d7301f", "#67000d"]
 """0, 1, 2 and 3 or more versions behind."""
