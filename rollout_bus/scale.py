@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import sys
 import time
@@ -29,7 +30,7 @@ EXIT = {"done": 0, "failed": 1, "refused": 2}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollout-bus scale", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["engines"], help="what to scale")
-    p.add_argument("count", nargs="?", default=None, metavar="+K|-K",
+    p.add_argument("change", nargs="?", default=None, metavar="+K|-K",
                    help="engines to add (+K) or remove (-K); or give --to")
     p.add_argument("--to", default=None, metavar="N|+K|-K", help="the pool's new size (or +K / -K)")
     p.add_argument("--policy", required=True, type=name_arg("policy"), help="the policy whose engine pool to scale")
@@ -38,10 +39,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else redis://127.0.0.1:6379/0")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="how long to wait for the controller's last answer (engines start, drain and stop)")
-    args = p.parse_args(argv)
-    if (args.count is None) == (args.to is None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # "-2" reads as an option to argparse: a signed count not given to --to is taken out first
+    changes = [i for i, a in enumerate(argv) if re.fullmatch(r"[+-]\d+", a) and (i == 0 or argv[i - 1] != "--to")]
+    change = [argv[i] for i in changes]
+    args = p.parse_args([a for i, a in enumerate(argv) if i not in changes])
+    if args.change is not None:
+        change.append(args.change)
+    if len(change) + (args.to is not None) != 1:
         p.error("give the new size as --to N, or a change as +K or -K (one of them)")
-    args.count = args.to if args.to is not None else args.count
+    args.count = args.to if args.to is not None else change[0]
     try:
         scale_target(args.count, 0)
     except InvalidRequest as exc:
