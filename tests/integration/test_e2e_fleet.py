@@ -19,8 +19,8 @@ from rollout_bus.events.paging import page
 from rollout_bus.events.schema import (
     EngineOffloaded,
     EngineOnloaded,
-    EnginesScaled,
     EngineServing,
+    EnginesScaled,
     RolloutFailed,
     TrainStepDone,
     WeightsPublished,
