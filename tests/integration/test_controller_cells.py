@@ -24,16 +24,27 @@ from rollout_bus.events.registry import EngineState, Registry
 from rollout_bus.events.schema import (
     CommandDone,
     EngineDraining,
+    EngineLaunching,
+    EngineServing,
     EnginesScaled,
     EngineStopped,
     OffloadEngines,
     OnloadEngines,
     Producer,
     ScaleEngines,
+    WeightVersionServing,
 )
+from rollout_bus.lm.files import read_manifest
 from rollout_bus.lm.model import ModelConfig
 from tests.engine_proc import make_weights_dir
-from tests.support.controller_driver import find, read_events, wait_until_async
+from tests.support.controller_driver import (
+    find,
+    publish_weights,
+    read_events,
+    wait_until_async,
+    write_version,
+)
+from tests.support.models import tiny_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -201,3 +212,44 @@ def test_an_offloaded_engine_gives_its_memory_back_and_onload_brings_the_weights
     rss = asyncio.run(scenario())
     assert rss["serving"] - rss["offloaded"] >= 0.8 * weights_mb, (rss, weights_mb)
     assert rss["onloaded"] - rss["offloaded"] >= 0.8 * weights_mb, (rss, weights_mb)
+
+
+def test_a_started_engine_gets_the_newest_base_version_and_the_adapter_before_it_serves(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    make_weights_dir(root / "base", seed=0)
+    base_dir, base_sha = write_version(root / "base", root / "default" / "v1", seed=1)
+    adapter_dir = tiny_adapter(root / "math" / "v2", seed=2, policy="math", version=2)
+    adapter_sha = read_manifest(adapter_dir)[1]
+
+    async def scenario() -> tuple[Any, dict[str, Any]]:
+        ctl = InferenceController(config(keys, redis_server, root, tmp_path, num_engines=1, enable_lora=True),
+                                  redis_client)
+        await ctl.start()
+        try:
+            await ctl.wait_serving(timeout_s=60, count=1)
+            publish_weights(redis_client, keys, "default", 1, str(base_dir), base_sha)
+            publish_weights(redis_client, keys, "math", 2, str(adapter_dir), adapter_sha)
+            for policy in ("default", "math"):
+                await wait_until_async(f"{policy} served", lambda p=policy: find(  # type: ignore[misc]
+                    read_events(redis_client, keys.weight_stream), WeightVersionServing, policy=p), 30)
+            send(redis_client, keys, ScaleEngines(producer=ASKER, policy="default", count="+1", request_id="up"))
+            await wait_until_async("the scale answered", lambda: any(
+                e.outcome in ("done", "failed") for e in scaled(redis_client, keys, "up")), 60)
+            new = ctl.engines["engine-1"]
+            models = await EngineClient(new.record.url).models()
+            return scaled(redis_client, keys, "up"), {"record": new.record, "models": models}
+        finally:
+            await ctl.stop()
+
+    answers, seen = asyncio.run(scenario())
+    assert [(a.outcome, a.from_count, a.to_count, a.engine_ids) for a in answers] == [
+        ("started", 1, 2, []), ("done", 1, 2, ["engine-1"])]
+    (serving,) = find(read_events(redis_client, keys.engine_stream), EngineServing, engine_id="engine-1")
+    assert isinstance(serving, EngineServing) and serving.versions == {"default": 1, "math": 2}  # before it served
+    assert seen["record"].adapters == {"math": "math@v2"}
+    assert "math@v2" in {m.get("id") for m in seen["models"]["data"]}  # the engine itself holds the adapter
+    events = read_events(redis_client, keys.engine_stream)
+    launching = [i for i, e in enumerate(events) if isinstance(e, EngineLaunching) and e.engine_id == "engine-1"]
+    served = [i for i, e in enumerate(events) if isinstance(e, EngineServing) and e.engine_id == "engine-1"]
+    assert launching and served and launching[0] < served[0]
