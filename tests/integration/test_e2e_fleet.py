@@ -101,6 +101,14 @@ def test_a_pool_grows_and_shrinks_mid_run_with_nothing_lost_and_new_engines_serv
     scaling = drawn.stdout.split("SCALING", 1)[1]
     assert "engine-1" in scaling and "done" in scaling and "scale/" in scaling
     assert [line.split()[1] for line in drawn.stdout.splitlines() if line.startswith("engine-1 ")] == ["stopped"]
+    html = tmp_path / "run.html"
+    pictured = subprocess.run([sys.executable, "-m", "rollout_bus", "replay", "timeline", "--live", "--redis-url", url,
+                               "--namespace", keys.namespace, "--html", str(html)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+    assert pictured.returncode == 0, pictured.stderr
+    page_text = html.read_text()
+    assert page_text.count('class="scale"') == 4 and "scaling (4)" in page_text  # started and done, up and down
+    assert "1 -&gt; 2 engines, done" in page_text and "draining" in page_text
     scaled = [e for e in engine_log if isinstance(e, EnginesScaled)]
     assert all(e.requested_by.startswith("scale/") for e in scaled)
 
