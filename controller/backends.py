@@ -146,10 +146,13 @@ class SglangBackend(Backend):
         return cmd + list(spec.extra_args)
 
 
-def make_backend(name: str) -> Backend:
-    backends: dict[str, type[Backend]] = {"cpu": CpuBackend, "sglang": SglangBackend}
+def make_backend(name: str, *, memory_saver: bool = True) -> Backend:
+    """The backend called ``name``; ``memory_saver`` False launches SGLang without ``--enable-memory-saver``."""
+    if name == "sglang":
+        return SglangBackend(memory_saver=memory_saver)
+    backends: dict[str, type[Backend]] = {"cpu": CpuBackend}
     if name not in backends:
-        raise ValueError(f"unknown backend {name!r}; known: {sorted(backends)}")
+        raise ValueError(f"unknown backend {name!r}; known: {sorted([*backends, 'sglang'])}")
     return backends[name]()
 
 

@@ -53,6 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=d.tp_size, help="SGLang: GPUs per engine")
     p.add_argument("--base-gpu-id", type=int, default=d.base_gpu_id,
                    help="SGLang: first GPU; engine i starts at base + i * tp-size")
+    p.add_argument("--max-engines", type=int, default=d.max_engines,
+                   help="the most engines a pool may be scaled to at run time (rollout-bus scale)")
+    p.add_argument("--max-pool", action="append", default=[], dest="max_pools", metavar="POLICY=N",
+                   help="the most engines of POLICY's pool, over --max-engines (repeatable)")
+    p.add_argument("--drain-timeout-s", type=float, default=d.drain_timeout_s,
+                   help="how long a scaled-down engine's requests may run on before they are aborted")
+    p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s,
+                   help="a draining engine stops no sooner than this after it left the serving set")
+    p.add_argument("--colocate", action="store_true",
+                   help="engines share devices with a trainer that offloads and onloads them around each step: "
+                        "refuses engines that cannot release their memory")
+    p.add_argument("--no-memory-saver", dest="memory_saver", action="store_false",
+                   help="SGLang: launch without --enable-memory-saver (then engines cannot release memory)")
     p.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
     p.add_argument("--max-restart-attempts", type=int, default=d.max_restart_attempts)
     p.add_argument("--keep-engines", action="store_true", help="leave launched engines running on exit")

@@ -56,6 +56,11 @@ def parse_pools(items: list[str]) -> dict[str, int]:
     return pools
 
 
+def engine_id(base_policy: str, policy: str, index: int) -> str:
+    """The id of engine ``index`` of ``policy``'s pool: ``engine-<i>`` in the base pool, else ``engine-<policy>-<i>``."""
+    return f"engine-{index}" if policy == base_policy else f"engine-{policy}-{index}"
+
+
 @dataclass
 class ControllerConfig:
     """Everything one controller instance needs; see ``rollout-bus controller --help``."""
@@ -93,6 +98,21 @@ class ControllerConfig:
     tp_size: int = 1
     """SGLang: GPUs per engine; engine ``i`` (counted over every pool) starts at ``base_gpu_id + i * tp_size``."""
     base_gpu_id: int = 0
+    max_engines: int = 8
+    """The most engines a pool may be scaled to at run time (``rollout-bus scale``); ``max_pool`` per policy."""
+    max_pools: list[str] = field(default_factory=list)
+    """``POLICY=N``: the most engines of that policy's pool, over ``max_engines``."""
+    drain_timeout_s: float = 120.0
+    """How long a scaled-down engine's requests in flight may run on; then they are aborted (executors
+    continue their partial output on another engine) and the engine stops."""
+    drain_grace_s: float = 1.0
+    """A draining engine is stopped no sooner than this after it left the serving set: longer than an
+    executor keeps a registry snapshot without asking whether it changed."""
+    colocate: bool = False
+    """Engines share their devices with a trainer, which offloads and onloads them around each step: every
+    engine must be able to release its memory (checked at start, ``colocate_problem``)."""
+    memory_saver: bool = True
+    """SGLang: launch with ``--enable-memory-saver`` (needed to release memory: ``--no-memory-saver`` turns it off)."""
     log_dir: str | None = None
     startup_timeout_s: float = 120.0
     max_restart_attempts: int = 5
@@ -145,13 +165,34 @@ class ControllerConfig:
         """The extra full-weight pools, policy -> number of engines."""
         return parse_pools(self.pools)
 
-    def expected_engines(self) -> dict[str, str]:
+    def sizes(self) -> dict[str, int]:
+        """Every pool's configured size, policy -> engines (the base pool's is ``num_engines``)."""
+        return {self.base_policy: self.num_engines, **self.pool_sizes()}
+
+    def expected_engines(self, sizes: dict[str, int] | None = None) -> dict[str, str]:
         """Engine id -> base policy of every engine to launch: ``engine-<i>`` for the base pool,
-        ``engine-<policy>-<i>`` for the others."""
-        out = {f"engine-{i}": self.base_policy for i in range(self.num_engines)}
-        for policy, count in self.pool_sizes().items():
-            out.update({f"engine-{policy}-{i}": policy for i in range(count)})
+        ``engine-<policy>-<i>`` for the others; ``sizes`` (policy -> engines) replaces the configured ones."""
+        sizes = {**self.sizes(), **(sizes or {})}
+        out: dict[str, str] = {}
+        for policy, count in sizes.items():
+            out.update({engine_id(self.base_policy, policy, i): policy for i in range(count)})
         return out
+
+    def max_sizes(self) -> dict[str, int]:
+        """The most engines each pool may be scaled to (``max_engines``, or its ``max_pools`` entry)."""
+        bounds = dict.fromkeys(self.sizes(), self.max_engines)
+        bounds.update({p: n for p, n in parse_pools(self.max_pools).items() if p in bounds})
+        return bounds
+
+    def colocate_problem(self) -> str | None:
+        """Why these engines cannot release their memory for a colocated trainer; None when they can."""
+        if self.backend == "sglang" and not self.memory_saver and "--enable-memory-saver" not in self.engine_args:
+            return ("--colocate needs engines that release their memory, and SGLang does that only with "
+                    "--enable-memory-saver: drop --no-memory-saver")
+        if self.adopt_urls:
+            return ("--colocate cannot vouch for adopted engines (--adopt-url): whether they release their memory "
+                    "is unknown here; let the controller launch them")
+        return None
 
     def validate(self) -> ControllerConfig:
         """Return ``self`` or raise ``ConfigError`` naming every invalid setting."""
@@ -177,6 +218,26 @@ class ControllerConfig:
             problems.append(f"pool {self.base_policy!r} is the base policy: its engines are --num-engines")
         if any(n < 0 for n in pools.values()):
             problems.append("pool sizes must be >= 0")
+        try:
+            bounds = parse_pools(self.max_pools)
+        except ValueError as exc:
+            problems.append(f"max_pools: {exc}")
+            bounds = {}
+        unknown = sorted(set(bounds) - {self.base_policy, *pools})
+        if unknown:
+            problems.append(f"max_pools names {unknown}, which have no pool (pools: {sorted({self.base_policy, *pools})})")
+        if self.max_engines < 0:
+            problems.append(f"max_engines must be >= 0, got {self.max_engines}")
+        for policy, size in {self.base_policy: self.num_engines, **pools}.items():
+            bound = bounds.get(policy, self.max_engines)
+            if size > bound:
+                problems.append(f"pool {policy!r} starts with {size} engines, above its bound of {bound} "
+                                "(--max-engines / --max-pool)")
+        if self.drain_timeout_s <= 0 or self.drain_grace_s < 0:
+            problems.append(f"drain_timeout_s must be > 0 and drain_grace_s >= 0, got {self.drain_timeout_s} and "
+                            f"{self.drain_grace_s}")
+        if self.colocate and self.colocate_problem():
+            problems.append(str(self.colocate_problem()))
         for name in ("max_loras_per_batch", "max_lora_rank", "tp_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")

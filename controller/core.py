@@ -48,6 +48,8 @@ class Core:
         self.book = VersionBook()
         self.engines: dict[str, EngineHandle] = {}
         self.policies: dict[str, PolicyRecord] = {}
+        self.sizes: dict[str, int] = config.sizes()
+        """Each pool's size: the configured one until it is scaled at run time (``controller.cells``)."""
         self.launched = launched if launched is not None else Launched.in_dir(config.log_dir, config.instance)
         self.fence_highest = 0
         self.suspect_weights: set[str] = set()
@@ -123,6 +125,16 @@ class Core:
     def pool_policies(self) -> set[str]:
         """Policies with an engine pool of their own (full weights): the base policy and ``--pool`` ones."""
         return {self.config.base_policy, *self.config.pool_sizes()}
+
+    def expected_engines(self) -> dict[str, str]:
+        """Engine id -> pool of every engine the pools' current sizes call for."""
+        return self.config.expected_engines(self.sizes)
+
+    def pool_of_engine(self, engine_id: str) -> str:
+        """The pool a launched engine's id names (any size up to the pool's bound); the base pool for others."""
+        bounds = self.config.max_sizes()
+        widest = {p: max(bounds.get(p, 0), n) for p, n in self.sizes.items()}
+        return self.config.expected_engines(widest).get(engine_id, self.config.base_policy)
 
     def pool_of(self, policy: str) -> str:
         """The pool that serves ``policy``: its own, or the base pool for an adapter policy."""

@@ -52,11 +52,12 @@ def adopted_engine_id(url: str) -> str:
 
 
 def launch_spec(cfg: ControllerConfig, engine_id: str, port: int,
-                addresses: tuple[str, str] | None = None) -> LaunchSpec:
+                addresses: tuple[str, str] | None = None, expected: dict[str, str] | None = None) -> LaunchSpec:
     """How to start ``engine_id``: engine ``i`` of the configuration (counted over every pool, in id
     order) gets the GPUs from ``base_gpu_id + i * tp_size`` on. ``addresses``: (listen, advertise),
-    resolved from the configuration when not given."""
-    order = sorted(cfg.expected_engines())
+    resolved from the configuration when not given; ``expected``: the engines the pools call for now
+    (default: the configured ones)."""
+    order = sorted(cfg.expected_engines() if expected is None else expected)
     index = order.index(engine_id) if engine_id in order else 0
     listen, advertise = addresses or cfg.engine_addresses()
     return LaunchSpec(engine_id=engine_id, host=listen, advertise_host=advertise, port=port,
@@ -81,7 +82,7 @@ class Lifecycle:
     def new_handle(self, engine_id: str, url: str, *, managed: bool, state: EngineState = S.LAUNCHING,
                    process: ProcessHandle | None = None) -> EngineHandle:
         cfg = self.core.config
-        base_policy = cfg.expected_engines().get(engine_id, cfg.base_policy)  # adopted engines: the base pool
+        base_policy = self.core.pool_of_engine(engine_id)
         record = EngineRecord(engine_id=engine_id, url=url, state=state,
                               backend=cfg.backend if managed else "external", managed=managed,
                               pause_mode=cfg.pause_mode, base_policy=base_policy,
@@ -123,7 +124,8 @@ class Lifecycle:
         if self._addresses is None:  # resolved once: the route to Redis does not change under a controller
             self._addresses = self.core.config.engine_addresses()
             log.info("engines listen on %s and register as %s", *self._addresses)
-        spec = self.backend.prepare(launch_spec(self.core.config, engine_id, free_port(), self._addresses))
+        spec = self.backend.prepare(launch_spec(self.core.config, engine_id, free_port(), self._addresses,
+                                                self.core.expected_engines()))
         process = launch(self.backend, spec, self.core.log_dir)
         self.core.launched.add(engine_id, spec.url, process.pid)  # known here even if Redis loses it
         return process, spec.url, self.backend.generate_url(spec)
@@ -238,7 +240,7 @@ class Lifecycle:
                 if h.state != S.UNHEALTHY or not h.managed or self.core.halted:
                     return
                 if h.restart_attempts >= cfg.max_restart_attempts:
-                    await self._stop_locked(h, f"gave up after {h.restart_attempts} restart attempts; the last "
+                    await self.stop_locked(h, f"gave up after {h.restart_attempts} restart attempts; the last "
                                                f"one: {h.last_failure}", kill=True)
                     return
                 h.restart_attempts += 1
@@ -274,9 +276,9 @@ class Lifecycle:
     # --- stopping ------------------------------------------------------------------------------
     async def stop(self, h: EngineHandle, reason: str, *, kill: bool) -> None:
         async with self.core.operate(h):
-            await self._stop_locked(h, reason, kill=kill)
+            await self.stop_locked(h, reason, kill=kill)
 
-    async def _stop_locked(self, h: EngineHandle, reason: str, *, kill: bool) -> None:
+    async def stop_locked(self, h: EngineHandle, reason: str, *, kill: bool) -> None:
         if h.state == S.STOPPED:
             return
         if kill and h.managed and h.process is not None:

@@ -49,6 +49,12 @@ class ControllerMetrics:
             "unchecked)", ["policy", "outcome"], registry=self.registry)
         self.engine_restarts = Counter(
             "rollout_bus_controller_engine_restarts", "Engine relaunches", registry=self.registry)
+        self.engines_scaled = Counter(
+            "rollout_bus_controller_engines_scaled", "Engines started (up) or drained and stopped (down) by a scale "
+            "command, per pool", ["policy", "direction"], registry=self.registry)
+        self.memory_seconds = Histogram(
+            "rollout_bus_controller_memory_seconds", "Duration of one offload or onload command over its engines",
+            ["command"], buckets=_UPDATE_BUCKETS, registry=self.registry)
         self.janitor_removed = Counter(
             "rollout_bus_controller_janitor_removed",
             "What the janitor removed: stream entries (by stream), payloads (by store kind), groups (by stream)",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from rollout_bus.events.registry import EngineRecord, EngineState
 from rollout_bus.events.schema import (
+    EngineDraining,
     EngineLaunching,
     EngineOffloaded,
     EngineOnloaded,
@@ -64,6 +65,8 @@ def fold_engine_log(events: Iterable[Event]) -> dict[str, KnownEngine]:
             engine.state = EngineState.UNHEALTHY
         elif isinstance(event, EngineRestarting):
             engine.state = EngineState.RESTARTING
+        elif isinstance(event, EngineDraining):
+            engine.state = EngineState.DRAINING
         elif isinstance(event, EngineOffloaded):
             engine.offloaded_tags = sorted(set(engine.offloaded_tags) | set(event.tags))
             engine.state = EngineState.OFFLOADED

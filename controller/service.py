@@ -17,12 +17,14 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from rollout_bus.controller.adapters import AdapterReconciler
 from rollout_bus.controller.backends import ProcessHandle, make_backend, pid_alive
 from rollout_bus.controller.bus import ControllerBus
+from rollout_bus.controller.cells import Cells
 from rollout_bus.controller.checks import WeightChecker
 from rollout_bus.controller.config import OFFLOAD_TAGS, ControllerConfig
 from rollout_bus.controller.core import Core
@@ -43,6 +45,7 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.registry import EngineState, PolicyRecord
 from rollout_bus.events.schema import (
     CheckWeights,
+    CommandDone,
     EngineOffloaded,
     EngineOnloaded,
     EngineServing,
@@ -50,6 +53,7 @@ from rollout_bus.events.schema import (
     OffloadEngines,
     OnloadEngines,
     Producer,
+    ScaleEngines,
     WeightsChecked,
     WeightsPublished,
 )
@@ -86,12 +90,13 @@ class InferenceController:
         self._temp_log_dir = not config.log_dir
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix=f"rollout-bus-engines-{config.namespace}-"))
         self.core = Core(config, bus, metrics or ControllerMetrics(), log_dir, fence=fence, launched=launched)
-        self.lifecycle = Lifecycle(self.core, make_backend(config.backend),
+        self.lifecycle = Lifecycle(self.core, make_backend(config.backend, memory_saver=config.memory_saver),
                                    WeightUpdater(self.core, self._failed_in_update))
         self.updater = self.lifecycle.updater
         self.adapters = AdapterReconciler(self.core)
         self.checker = WeightChecker(self.core, self._failed_in_update)
         self.lifecycle.checker = self.checker
+        self.cells = Cells(self.core, self.lifecycle)
         self.updater.after_applied = self._check_applied
         self.metrics_port = None
         self._loops = []
@@ -177,8 +182,16 @@ class InferenceController:
                 launch = PolicyRecord(pool, published=cfg.initial_version)
                 self.core.policies[pool] = launch
                 await self.core.bus.put_policy(launch)
+        bounds = cfg.max_sizes()
         for policy, record in policies.items():
             self.core.policies[policy] = record
+            size = record.engines
+            if policy in bounds and isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+                if size <= bounds[policy]:
+                    self.core.sizes[policy] = size  # scaled at run time: that size, not the configured one
+                else:
+                    log.warning("pool %s was scaled to %d engines, above its bound of %d: keeping %d", policy, size,
+                                bounds[policy], self.core.sizes[policy])
             if record.published < 0 or not record.uri:
                 continue
             try:
@@ -221,7 +234,7 @@ class InferenceController:
 
     async def _reconcile_engines(self, known: dict[str, KnownEngine]) -> None:
         cfg = self.config
-        expected = set(cfg.expected_engines())
+        expected = set(self.core.expected_engines())
         adopt_ids = {adopted_engine_id(url): url for url in cfg.adopt_urls}
         probes = await asyncio.gather(*(self._probe(k) for k in known.values()))
         tasks = []
@@ -259,8 +272,14 @@ class InferenceController:
         h.record.offloaded_tags = list(engine.offloaded_tags)
         h.record.generate_url = engine.generate_url
         if not wanted:
-            await self.lifecycle.stop(h, "no longer in the controller's configuration", kill=True)
+            reason = "no longer in the controller's configuration"
+            if h.managed and h.state in (S.SERVING, S.DRAINING) and info is not None:  # its requests end first
+                self.core.spawn(self.cells.drain(h, reason), f"drain-{h.engine_id}")
+            else:
+                await self.lifecycle.stop(h, reason, kill=True)
             return
+        if h.state == S.DRAINING:  # wanted again (the pool's size was lost): it must be brought up again
+            h.record.state = S.UNHEALTHY
         alive = info is not None and (not engine.managed or process is not None)
         if not alive:
             if process is not None:
@@ -413,12 +432,12 @@ class InferenceController:
             for msg in await self.core.bus.read_commands():
                 event = msg.event
                 try:
-                    if isinstance(event, OffloadEngines):
-                        await self.offload(event.tags, event.engine_ids)
-                    elif isinstance(event, OnloadEngines):
-                        await self.onload(event.tags, event.engine_ids)
+                    if isinstance(event, OffloadEngines | OnloadEngines):
+                        await self.memory_command(event)
                     elif isinstance(event, CheckWeights):
                         await self.check_weights(event.engine_ids, event.request_id)
+                    elif isinstance(event, ScaleEngines):  # acked as read: a takeover never applies "+1" twice
+                        self.core.spawn(self.cells.scale(event), f"scale-{event.policy}")
                 except InvalidRequest as exc:
                     log.warning("ignoring command %s: %s", msg.id, exc)
                     if isinstance(event, CheckWeights):  # the asker waits for an answer: it gets the reason
@@ -438,10 +457,15 @@ class InferenceController:
         await asyncio.gather(*(self.checker.check_engine(h) for h in engines))
 
     # --- offload / onload -------------------------------------------------------------------------
-    def _targets(self, tags: Sequence[str], engine_ids: Sequence[str] | None) -> list[EngineHandle]:
+    def _targets(self, tags: Sequence[str], engine_ids: Sequence[str] | None,
+                 policy: str = "") -> list[EngineHandle]:
         unknown = sorted(set(tags) - set(OFFLOAD_TAGS))
         if unknown or not tags:
             raise InvalidRequest(f"tags must be a non-empty subset of {list(OFFLOAD_TAGS)}, got {list(tags)}")
+        if engine_ids is None and policy:
+            if policy not in self.core.pool_policies() and policy not in self.core.policies:
+                raise InvalidRequest(f"unknown policy {policy!r}: no pool serves it")
+            return [h for h in self.core.members(policy) if h.state != S.STOPPED]
         if engine_ids is None:
             return list(self.engines.values())
         missing = sorted(set(engine_ids) - set(self.engines))
@@ -449,18 +473,45 @@ class InferenceController:
             raise InvalidRequest(f"unknown engines {missing}")
         return [self.engines[e] for e in engine_ids]
 
-    async def offload(self, tags: Sequence[str], engine_ids: Sequence[str] | None = None) -> dict[str, str]:
+    async def offload(self, tags: Sequence[str], engine_ids: Sequence[str] | None = None,
+                      policy: str = "") -> dict[str, str]:
         """Release engine memory by tag; engines go ``offloaded`` and leave the serving set."""
-        return await self._on_each(self._offload_one, tags, engine_ids)
+        return await self._on_each(self._offload_one, tags, engine_ids, policy)
 
-    async def onload(self, tags: Sequence[str], engine_ids: Sequence[str] | None = None) -> dict[str, str]:
+    async def onload(self, tags: Sequence[str], engine_ids: Sequence[str] | None = None,
+                     policy: str = "") -> dict[str, str]:
         """Resume engine memory by tag; with nothing left released, an engine serves again."""
-        return await self._on_each(self._onload_one, tags, engine_ids)
+        return await self._on_each(self._onload_one, tags, engine_ids, policy)
+
+    async def memory_command(self, event: OffloadEngines | OnloadEngines) -> dict[str, str]:
+        """An offload or onload command; one that carries a ``request_id`` is answered with ``CommandDone``
+        (refused with the reason when it is bad)."""
+        name = "offload" if isinstance(event, OffloadEngines) else "onload"
+        started = time.perf_counter()
+        try:
+            results = await (self.offload if name == "offload" else self.onload)(
+                event.tags, event.engine_ids, event.policy)
+        except InvalidRequest as exc:
+            if event.request_id:
+                await self.core.bus.engine(self.core.event(
+                    CommandDone, request_id=event.request_id, command=name, outcome="refused", reason=str(exc)))
+            raise
+        elapsed = time.perf_counter() - started
+        self.core.metrics.memory_seconds.labels(name).observe(elapsed)
+        if event.request_id:
+            refused = {e: r for e, r in results.items() if r.startswith("refused")}
+            failed = {e: r for e, r in results.items() if r != "ok" and not r.startswith(("refused", "skipped"))}
+            outcome = "failed" if failed else "refused" if refused else "ok"
+            reason = "; ".join(f"{e}: {r}" for e, r in sorted({**refused, **failed}.items()))
+            await self.core.bus.engine(self.core.event(
+                CommandDone, request_id=event.request_id, command=name, outcome=outcome, reason=reason,
+                results=results, duration_ms=elapsed * 1000))
+        return results
 
     async def _on_each(self, one: Callable[[EngineHandle, list[str]], Awaitable[str]], tags: Sequence[str],
-                       engine_ids: Sequence[str] | None) -> dict[str, str]:
+                       engine_ids: Sequence[str] | None, policy: str = "") -> dict[str, str]:
         """Run ``one`` on every targeted engine at once; engine id -> outcome."""
-        targets = self._targets(tags, engine_ids)
+        targets = self._targets(tags, engine_ids, policy)
         results = await asyncio.gather(*(one(h, list(tags)) for h in targets))
         return dict(zip((h.engine_id for h in targets), results, strict=True))
 

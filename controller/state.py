@@ -5,6 +5,8 @@
     launching ──► pending_weights ──► serving ──► offloaded ──► serving
         │               │                │   ▲         │
         └──────► unhealthy ◄─────────────┘   └─ pending_weights (onload, weights behind)
+                                         │
+                                         └──► draining ──► stopped   (scaled down: requests in flight end first)
                     │  ▲
                     ▼  │ (relaunch failed)
                restarting ──► launching        any state ──► stopped
@@ -30,10 +32,11 @@ S = EngineState
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     S.LAUNCHING: frozenset({S.PENDING_WEIGHTS, S.UNHEALTHY, S.STOPPED}),
     S.PENDING_WEIGHTS: frozenset({S.SERVING, S.UNHEALTHY, S.STOPPED}),
-    S.SERVING: frozenset({S.UNHEALTHY, S.OFFLOADED, S.PENDING_WEIGHTS, S.STOPPED}),
+    S.SERVING: frozenset({S.UNHEALTHY, S.OFFLOADED, S.PENDING_WEIGHTS, S.DRAINING, S.STOPPED}),
     S.UNHEALTHY: frozenset({S.RESTARTING, S.PENDING_WEIGHTS, S.STOPPED}),
     S.RESTARTING: frozenset({S.LAUNCHING, S.UNHEALTHY, S.STOPPED}),
     S.OFFLOADED: frozenset({S.SERVING, S.PENDING_WEIGHTS, S.UNHEALTHY, S.STOPPED}),
+    S.DRAINING: frozenset({S.UNHEALTHY, S.STOPPED}),
     S.STOPPED: frozenset(),
 }
 

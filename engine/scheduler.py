@@ -33,7 +33,7 @@ from rollout_bus.engine.errors import BadRequest, Overloaded, Unavailable
 from rollout_bus.engine.protocol import PauseMode
 from rollout_bus.engine.sampling import sample_next
 from rollout_bus.engine.sequence import Seq, abort_reason, finish_reason_after
-from rollout_bus.engine.served import ServedModel, WeightUpdate
+from rollout_bus.engine.served import ServedModel, WeightUpdate, release_freed_memory
 from rollout_bus.engine.waiting import WaitQueue
 
 logger = logging.getLogger(__name__)
@@ -262,6 +262,7 @@ class Scheduler:
             self.model.release()
         if "kv_cache" in tags:
             self._retract()
+            release_freed_memory(self.model.device)
         self.released = self.released | frozenset(tags)
         logger.info("released memory %s", sorted(tags))
 

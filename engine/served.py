@@ -3,13 +3,18 @@
 ``ServedModel`` holds what the tiny LM (``engine.tiny_model``) and Hugging Face models
 (``engine.hf_model``) share: vetting and applying base-weight updates (names, shapes, dtypes and
 finiteness against the tensors the engine was launched with, checked off the scheduler thread),
-releasing and resuming weight memory, and LoRA adapters through ``peft`` (several in one forward,
+releasing and resuming weight memory (for real: the base tensors are freed and the allocator's free
+pages go back to the system; they are read again from the served version's files on resume), and
+LoRA adapters through ``peft`` (several in one forward,
 one per row). Only the scheduler thread mutates it; the HTTP side reads names and versions under a
 lock.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import json
 import logging
 import threading
@@ -35,7 +40,7 @@ from rollout_bus.lm.files import (
     file_shapes,
     tensors_digest,
 )
-from rollout_bus.lm.hf import parameters_by_name, read_state
+from rollout_bus.lm.hf import parameters_by_name, read_state, state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +115,8 @@ class ServedModel(ABC):
         """The digest (``lm.files.DIGEST_ALGORITHM``) of the base tensors last copied in: the launch weights'
         files, then each update's tensors as read (``WeightUpdate.digest``)."""
         self.adapter_digests: dict[str, str] = {}
-        self.backup: dict[int, Tensor] | None = None
+        self.reload_from: str | None = None
+        """While the weights are released: the files ``resume`` reads them back from (None: not released)."""
         self._live = parameters_by_name(base, reference)
         self._lock = threading.Lock()
 
@@ -132,7 +138,7 @@ class ServedModel(ABC):
 
     @property
     def released(self) -> bool:
-        return self.backup is not None
+        return self.reload_from is not None
 
     @abstractmethod
     def new_batch(self) -> DecodeBatch: ...
@@ -173,15 +179,17 @@ class ServedModel(ABC):
         return state
 
     def apply_update(self, update: WeightUpdate, *, announce: bool = True) -> None:
-        """Copy vetted weights in (into the host copy while released); scheduler thread only.
+        """Copy vetted weights in (while released: ``resume`` reads them from ``update.source``); scheduler
+        thread only.
 
         ``announce`` False loads the tensors but leaves the reported path, name and version as they
         were (SGLang's tokenizer side when the cache flush after a load was refused)."""
-        with torch.no_grad():
-            for name, tensor in update.state.items():
-                live = self._live[name]
-                target = self.backup[id(live)] if self.backup is not None else live.data
-                target.copy_(tensor)
+        if self.reload_from is not None:
+            self.reload_from = update.source  # nothing to copy into: resume reads this version's files
+        else:
+            with torch.no_grad():
+                for name, tensor in update.state.items():
+                    self._live[name].data.copy_(tensor)
         with self._lock:
             self.digest = update.digest  # the tensors are in, announced or not
         if not announce:
@@ -207,22 +215,39 @@ class ServedModel(ABC):
         return sum(p.numel() * p.element_size() for p in self._parameters())
 
     def release(self) -> None:
-        """Drop parameter storage, keeping a host copy that ``resume`` restores bit for bit."""
-        if self.backup is not None:
+        """Free the base weights' storage (no copy is kept: the process's resident memory falls by their size)
+        and hand the allocator's free pages back to the system; ``resume`` reads them again from the files of
+        the version served (``source``). Adapter weights stay (they are small, and their files may be gone)."""
+        if self.reload_from is not None:
             return
-        self.backup = {}
-        for param in self._parameters():
-            self.backup[id(param)] = param.data.to("cpu")
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.reload_from = self.source
+        with torch.no_grad():
+            for tensor in _unique(self._live.values()):
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        release_freed_memory(self.device)
 
     def resume(self) -> None:
-        if self.backup is None:
+        """Read the base weights back from ``reload_from`` (the version served, or one applied while released);
+        ``BadRequest`` when its files are gone or no longer fit, and the weights stay released."""
+        if self.reload_from is None:
             return
-        for param in self._parameters():
-            param.data = self.backup[id(param)].to(param.device)
-        self.backup = None
+        source = self.reload_from
+        try:
+            state = read_state(Path(source))
+        except Exception as exc:  # WeightsError, OSError, safetensors: the version's files cannot be read
+            raise BadRequest(f"cannot bring the weights back from {source}: {exc}") from None
+        problems = check_tensors(self.reference, state)
+        if problems:
+            raise BadRequest(f"cannot bring the weights back from {source}: {'; '.join(problems)}")
+        digest = state_digest(state)
+        with torch.no_grad():
+            for name, tensor in self._live.items():
+                if tensor.numel() == 0:  # a tied alias is restored once, through the first name
+                    tensor.data = state[name].to(device=self.device, dtype=tensor.dtype)
+        del state
+        self.reload_from = None
+        with self._lock:
+            self.digest = digest
 
     # --- adapters -------------------------------------------------------------------------------------
     def check_adapter(self, name: str, path: str) -> None:
@@ -263,7 +288,7 @@ class ServedModel(ABC):
 
     def attach_adapter(self, name: str, path: str, digest: str = "") -> None:
         """Load a vetted adapter (scheduler thread); finite values are checked after loading."""
-        if self.backup is not None:
+        if self.reload_from is not None:
             raise BadRequest("weights are released: resume memory before loading an adapter")
         from peft import PeftModel
 
@@ -298,6 +323,34 @@ class ServedModel(ABC):
                 self.peft = None
             else:
                 self.peft.delete_adapter(name)
+
+
+def _unique(tensors: Sequence[Tensor] | Any) -> list[Tensor]:
+    seen: dict[int, Tensor] = {}
+    for tensor in tensors:
+        seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+_LIBC: Any = None
+
+
+def release_freed_memory(device: torch.device | None = None) -> None:
+    """Give freed memory back to the system: collect cycles, then ``malloc_trim(0)`` on glibc (its heap keeps
+    freed pages mapped otherwise), and empty CUDA's cache on a GPU."""
+    global _LIBC
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC = ctypes.CDLL(name) if name else False
+        except OSError:
+            _LIBC = False
+    trim = getattr(_LIBC, "malloc_trim", None) if _LIBC else None
+    if trim is not None:  # glibc only; musl and others return freed pages themselves or have no such call
+        trim(0)
 
 
 def check_tensors(reference: Mapping[str, tuple[str, tuple[int, ...]]], state: Mapping[str, Tensor],

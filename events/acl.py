@@ -14,6 +14,8 @@ whose optional password is not given is ``off``). ``python -m rollout_bus.events
 
 What Redis ACLs cannot express, and is therefore not prevented here:
 - arguments: a role that may ``XADD`` to a stream may also pass ``MAXLEN 0`` and empty it;
+- event types: a colocated trainer sends offload and onload commands, so every trainer user may add any
+  command (a scale, a weights check, another policy's offload) to the commands stream;
 - one stream shared by writers: ``weights`` (every trainer publishes there; the controller checks a
   publication against its policy's lease holder), ``rollouts`` and ``trainers`` take any event from
   any trainer, and any executor may add to every policy's batch stream;
@@ -177,11 +179,12 @@ def trainer(policy: str = TRAINER_POLICY) -> Role:
     own = policy == TRAINER_POLICY
     var = "TRAINER_PASSWORD" if own else f"TRAINER_{re.sub('[^A-Z0-9]', '_', policy.upper())}_PASSWORD"
     return Role("trainer" if own else f"trainer-{policy}", var, (
-        *_publisher((k.weight_stream, k.trainer_stream, k.rollout_stream, k.dead_letters),
+        *_publisher((k.weight_stream, k.trainer_stream, k.rollout_stream, k.dead_letters, k.command_stream),
                     (_pattern(k.dedupe(k.weight_stream, f"weights.{policy}.{_ANY}")), _stream_any(k.trainer_stream),
-                     _stream_any(k.rollout_stream)),
+                     _stream_any(k.rollout_stream), _stream_any(k.command_stream)),
                     "publications (trainer/weights.py), trainer events (trainer/client.py, trainer/service.py), "
-                    "rollout requests (events/submit.py), dead letters (events/consume.py)"),
+                    "rollout requests (events/submit.py), dead letters (events/consume.py), offload and onload "
+                    "commands of a colocated trainer (trainer/colocate.py)"),
         *_consumer(batches, "its policy's batches (trainer/client.py, trainer/recorder.py)"),
         Grant((_pattern(k.payload(f"{policy}:{_ANY}")), _pattern(k.payload_readers(f"{policy}:{_ANY}"))),
               ("del", "srem"), "releasing its policy's payloads once read (events/batches.py)"),

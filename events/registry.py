@@ -97,6 +97,7 @@ class EngineState(enum.StrEnum):
     UNHEALTHY = "unhealthy"
     RESTARTING = "restarting"
     OFFLOADED = "offloaded"
+    DRAINING = "draining"
     STOPPED = "stopped"
 
 
@@ -150,6 +151,8 @@ class PolicyRecord:
     serving: int = -1
     uri: str = ""
     sha256: str = ""
+    engines: int = -1
+    """A pool's size as last scaled at run time (``rollout-bus scale``); -1: the configured size."""
     updated_ms: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
 
     def pack(self) -> bytes:

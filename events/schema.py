@@ -159,6 +159,33 @@ class EngineStopped(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EngineDraining(Event):
+    """The engine left the serving set (executors stop choosing it); it stops once its requests in flight end."""
+
+    engine_id: str
+    reason: str
+    since_version: ClassVar[int] = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnginesScaled(Event):
+    """A change of a pool's size, asked for by ``requested_by`` (a producer, ``role/instance``): ``started``
+    when the controller begins it, ``done`` once every started engine serves and every stopped one is gone,
+    ``failed`` when some did not (``reason``), ``refused`` for a bad ``ScaleEngines`` (``reason`` says what to
+    fix; the counts are the pool's, unchanged). ``engine_ids``: the engines started or stopped."""
+
+    policy: str
+    requested_by: str
+    from_count: int
+    to_count: int
+    outcome: str
+    reason: str = ""
+    engine_ids: list[str] = field(default_factory=list)
+    request_id: str = ""
+    since_version: ClassVar[int] = 2
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineOffloaded(Event):
     engine_id: str
     tags: list[str]
@@ -174,14 +201,63 @@ class EngineOnloaded(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadEngines(Event):
+    """Release engine memory by tag: the engines ``engine_ids``, else those of ``policy``'s pool, else every
+    one. With a ``request_id`` the controller answers with a ``CommandDone`` on the engine stream."""
+
     tags: list[str]
     engine_ids: list[str] | None = None
+    policy: str = ""
+    request_id: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
 class OnloadEngines(Event):
+    """Resume released engine memory by tag (targets and answer as ``OffloadEngines``)."""
+
     tags: list[str]
     engine_ids: list[str] | None = None
+    policy: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandDone(Event):
+    """The controller's answer to an offload or onload command that carried a ``request_id``: ``outcome``
+    ``ok`` (every targeted engine did it, or had nothing to do), ``refused`` (the command was bad, or an
+    engine refused: ``reason``) or ``failed``; ``results``: engine id -> what happened there."""
+
+    request_id: str
+    command: str
+    outcome: str
+    reason: str = ""
+    results: dict[str, str] = field(default_factory=dict)
+    duration_ms: float = 0.0
+    since_version: ClassVar[int] = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleEngines(Event):
+    """Start or stop engines of ``policy``'s pool while the run goes on: ``count`` is ``N`` (to N engines),
+    ``+K`` or ``-K`` (see ``scale_target``). The controller answers with ``EnginesScaled`` events carrying
+    ``request_id`` on the engine stream."""
+
+    policy: str
+    count: str
+    request_id: str = ""
+    since_version: ClassVar[int] = 2
+
+
+def scale_target(count: str, current: int) -> int:
+    """The pool size ``count`` asks for when the pool has ``current`` engines: ``N`` is N, ``+K`` is
+    current + K, ``-K`` is current - K (may be negative: the caller checks bounds). ``InvalidRequest``
+    for anything else."""
+    text = count.strip() if isinstance(count, str) else ""
+    sign, digits = (text[0], text[1:]) if text[:1] in ("+", "-") else ("", text)
+    if not digits.isascii() or not digits.isdigit() or len(digits) > 6:
+        raise InvalidRequest(f"count {count!r} is malformed: give N (the pool's new size), +K or -K, "
+                             "with N and K whole numbers (e.g. 3, +1, -2)")
+    n = int(digits)
+    return current + n if sign == "+" else current - n if sign == "-" else n
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,11 @@ from rollout_bus.trainer.config import LogConfig, log_problems, parse_log_to
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout-bus run", description=__doc__.split("\n\n")[0])
     d = RunConfig()
-    p.add_argument("--mode", choices=MODES, default=d.mode)
+    p.add_argument("--mode", choices=MODES, default=None, help=f"default {d.mode}; sync with --colocate")
+    p.add_argument("--colocate", action="store_true",
+                   help="miles' colocated loop (sync mode): the controller offloads the engines' weights and KV cache "
+                        "while the trainer steps, and onloads the weights, then the KV cache, before the next rollout; "
+                        "the summary reports the time each took per step")
     p.add_argument("--trainers", type=int, default=d.trainers, help="policies trained at once (one trainer each)")
     p.add_argument("--executors", type=int, default=d.executors)
     p.add_argument("--engines", type=int, default=d.engines)
@@ -146,8 +150,10 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
             values[name] = MODEL_DEFAULTS[name] if ns.model else getattr(defaults, name)
     if ns.model and ns.lr is None and ns.full:
         values["lr"] = MODEL_FULL_LR
+    if values.get("mode") is None:
+        values["mode"] = "sync" if ns.colocate else defaults.mode
     config = RunConfig(**values)
-    problems = [f"--{name} must be >= 1" for name in ("trainers", "executors", "engines", "steps")
+    problems = colocate_problems(config) + [f"--{name} must be >= 1" for name in ("trainers", "executors", "engines", "steps")
                 if getattr(config, name) < 1]
     if config.lora is not None:
         parts = config.lora.split(",")
@@ -172,6 +178,29 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     if problems:
         raise SystemExit("; ".join(problems))
     return config
+
+
+def colocate_problems(config: RunConfig) -> list[str]:
+    """Why ``--colocate`` cannot run as configured (mode, shared pools, engines that cannot release memory)."""
+    if not config.colocate:
+        return []
+    from rollout_bus.controller.cli import build_parser as controller_parser
+    from rollout_bus.controller.config import ControllerConfig
+
+    problems = []
+    if config.mode != "sync":
+        problems.append(f"--colocate needs --mode sync (rollouts cannot run while the engines are offloaded), "
+                        f"got --mode {config.mode}")
+    if config.trainers > 1 and config.lora_spec():
+        problems.append("--colocate with several trainers needs --full: LoRA policies share one engine pool, which "
+                        "one trainer's offload would take from the others")
+    known, _ = controller_parser().parse_known_args(config.controller_args)
+    engines = ControllerConfig(backend=known.backend, memory_saver=known.memory_saver,
+                               engine_args=list(known.engine_args), adopt_urls=list(known.adopt_urls))
+    problem = engines.colocate_problem()
+    if problem:
+        problems.append(problem)
+    return problems
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:

@@ -15,6 +15,8 @@ __all__ = ["AGENTS", "DEFAULT_LORA", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TA
 @dataclass
 class RunConfig:
     mode: str = "async"
+    colocate: bool = False
+    """Engines give their memory back while the trainer steps (sync mode; ``trainer.colocate``)."""
     trainers: int = 1
     executors: int = 1
     engines: int = 1

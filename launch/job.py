@@ -109,7 +109,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             "--base-policy", config.base_policy(), "--seed", str(config.seed), "--log-dir", str(out / "logs"),
             *_pool_args(config), "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
-            *_janitor_args(config), *_health_args(config), *config.controller_args, *_metrics_args(ports, "controller")],
+            *_janitor_args(config), *_health_args(config), *(["--colocate"] if config.colocate else []),
+            *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
         for i in range(config.executors):
             procs.start(f"executor-{i}", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
@@ -367,7 +368,7 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
             "--std-normalise" if config.std_normalise else "--no-std-normalise",
             "--minibatches", str(config.minibatches), "--log-to", config.log_to, "--log-dir", str(log_dir),
-            "--run-name", namespace, *extra, *config.trainer_args]
+            "--run-name", namespace, *extra, *(["--colocate"] if config.colocate else []), *config.trainer_args]
 
 
 def _metrics_args(ports: dict[str, int], name: str) -> list[str]:

@@ -52,6 +52,10 @@ class PolicySummary:
     """Per step, the share in the requested form."""
     evals: dict[str, dict[str, float]] = field(default_factory=dict)
     """Held-out eval metrics by phase (``before``: the initial weights, ``after``: the last version)."""
+    offload_ms: list[float] = field(default_factory=list)
+    """Colocated runs, per step: how long the engines took to release their weights and KV cache."""
+    onload_ms: list[float] = field(default_factory=list)
+    """Colocated runs, per step: how long they took to get them back (weights, then KV cache, newest version)."""
 
     def reward_before(self, k: int = 2) -> float:
         """Mean reward of the first ``k`` steps (the first batch comes from the initial weights)."""
@@ -79,7 +83,8 @@ class PolicySummary:
                 "batches_trained": self.batches_trained, "batches_unused": self.batches_unused,
                 "stale_groups": self.stale_groups, "rewards": self.rewards,
                 **({"correct": self.correct, "formatted": self.formatted} if self.correct else {}),
-                **({"eval": self.evals} if self.evals else {})}
+                **({"eval": self.evals} if self.evals else {}),
+                **({"offload_ms": self.offload_ms, "onload_ms": self.onload_ms} if self.offload_ms else {})}
 
 
 class RunLog:
@@ -112,6 +117,9 @@ class RunLog:
                 p.formatted.append(float(event.metrics.get("formatted_frac", float("nan"))))
             p.stale_groups = max(p.stale_groups, float(event.metrics.get("stale_groups_total", 0.0)))
             p.redelivered = max(p.redelivered, float(event.metrics.get("redelivered_batches_total", 0.0)))
+            if "offload_ms" in event.metrics:
+                p.offload_ms.append(float(event.metrics["offload_ms"]))
+                p.onload_ms.append(float(event.metrics.get("onload_ms", float("nan"))))
             for name, value in event.metrics.items():
                 if name.startswith(STALENESS_PREFIX):
                     s = int(name[len(STALENESS_PREFIX):])
@@ -203,6 +211,9 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
             k = min(5, len(p.correct))
             lines.append(f"  answers     correct {_mean(p.correct[:2]):.3f} -> {_mean(p.correct[-k:]):.3f}, "
                          f"in form {_mean(p.formatted[:2]):.3f} -> {_mean(p.formatted[-k:]):.3f} (trained batches)")
+        if p.offload_ms:
+            lines.append(f"  colocated   offload {_mean(p.offload_ms):.0f} ms, onload {_mean(p.onload_ms):.0f} ms per step "
+                         f"(mean of {len(p.offload_ms)}; max {max(p.offload_ms):.0f} and {max(p.onload_ms):.0f} ms)")
         for phase, m in p.evals.items():
             lines.append(f"  eval {phase:<6} reward {m.get('reward_mean', float('nan')):.3f}, correct "
                          f"{m.get('correct_frac', float('nan')):.3f}, in form {m.get('formatted_frac', float('nan')):.3f}"

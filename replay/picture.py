@@ -80,6 +80,8 @@ class Picture:
     batches: list[BatchMark] = field(default_factory=list)
     restarts: list[Mark] = field(default_factory=list)
     dead_letters: list[Mark] = field(default_factory=list)
+    scalings: list[Mark] = field(default_factory=list)
+    """Each answer to a scale command (``EnginesScaled``): subject the pool, detail from, to, outcome, who asked."""
     steps: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Per trainer: (ms, step) of each ``TrainStepDone``."""
     events: int = 0
@@ -162,6 +164,10 @@ def picture(entries: Iterable[LogEntry]) -> Picture:
                 if ev.trainer_id in joined:
                     pic.restarts.append(Mark(ms, "trainer", ev.trainer_id, f"joined {ev.group} again"))
                 joined.add(ev.trainer_id)
+            elif isinstance(ev, s.EnginesScaled):
+                reason = f": {ev.reason}" if ev.reason else ""
+                pic.scalings.append(Mark(ms, "scale", ev.policy, f"{ev.from_count} -> {ev.to_count} engines, "
+                                                                 f"{ev.outcome}, asked by {ev.requested_by}{reason}"))
             elif isinstance(ev, s.TrainStepDone):
                 pic.steps.setdefault(ev.trainer_id, []).append((ms, ev.step))
     pic.start_ms, pic.end_ms, pic.events = first or 0, last, t.events

@@ -5,7 +5,7 @@ bottom: each engine's lane (states as coloured spans, under them the weight vers
 had of each policy, restarts as red triangles), each policy's serving version and its
 batches (dots at the time each was ready, coloured by staleness; hollow when a trainer
 took it and did not train it), each trainer's steps (ticks; restarts as red triangles),
-and the dead letters (red crosses). Every mark has a ``<title>`` (shown on hover) and the
+the dead letters (red crosses) and the pools' scale commands (diamonds; their outcome on hover). Every mark has a ``<title>`` (shown on hover) and the
 page embeds ``Picture.to_dict()`` in ``<script type="application/json" id="timeline-data">``.
 """
 
@@ -20,7 +20,7 @@ from rollout_bus.replay.picture import Mark, Picture, Span
 
 STATE_COLOURS = {
     "launching": "#9ecae1", "pending_weights": "#c6dbef", "serving": "#31a354", "unhealthy": "#e6550d",
-    "restarting": "#fd8d3c", "offloaded": "#bcbddc", "stopped": "#bdbdbd", "unknown": "#f0f0f0",
+    "restarting": "#fd8d3c", "offloaded": "#bcbddc", "draining": "#fdd0a2", "stopped": "#bdbdbd", "unknown": "#f0f0f0",
 }
 STALENESS_COLOURS = ["#1a9850", "#f0a30a", "#d7301f", "#67000d"]
 """0, 1, 2 and 3 or more versions behind."""
@@ -124,6 +124,14 @@ def _rows(c: _Canvas) -> None:
                            f'y2="{c.y + 6:.1f}"><title>step {step} at {c.t(ms)}</title></line>')
         for mark in restarts.get(("trainer", trainer), []):
             c.triangle(mark, c.y - 14, "restart")
+        c.y += ROW_H
+    if pic.scalings:
+        c.label(f"scaling ({len(pic.scalings)})", c.y + 4, bold=True)
+        for mark in pic.scalings:
+            x, y = c.x(mark.ms), c.y
+            title = f"scale {mark.subject} at {c.t(mark.ms)}: {mark.detail}"
+            c.parts.append(f'<path class="scale" d="M{x:.1f},{y - 6:.1f} L{x + 6:.1f},{y:.1f} L{x:.1f},{y + 6:.1f} '
+                           f'L{x - 6:.1f},{y:.1f} Z" fill="#3182bd"><title>{escape(title)}</title></path>')
         c.y += ROW_H
     c.label(f"dead letters ({len(pic.dead_letters)})", c.y + 4, bold=True)
     for mark in pic.dead_letters:

@@ -162,6 +162,20 @@ class SessionView:
 
 
 @dataclass
+class ScaleView:
+    """One answer to a scale command (``EnginesScaled``): started, then done, failed or refused."""
+
+    ms: int
+    policy: str
+    requested_by: str
+    from_count: int
+    to_count: int
+    outcome: str
+    reason: str = ""
+    engine_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Timeline:
     at_ms: int | None = None
     last_id: str | None = None
@@ -173,6 +187,7 @@ class Timeline:
     requests: dict[str, RequestView] = field(default_factory=dict)
     trainers: dict[str, TrainerView] = field(default_factory=dict)
     sessions: dict[str, SessionView] = field(default_factory=dict)
+    scalings: list[ScaleView] = field(default_factory=list)
 
     def session(self, session_id: str, policy: str) -> SessionView:
         return self.sessions.setdefault(session_id, SessionView(session_id, policy))
@@ -211,6 +226,7 @@ _ENGINE_STATES: dict[type[s.Event], str] = {
     s.EngineLaunching: EngineState.LAUNCHING, s.EngineReady: EngineState.PENDING_WEIGHTS,
     s.EngineServing: EngineState.SERVING, s.EngineUnhealthy: EngineState.UNHEALTHY,
     s.EngineRestarting: EngineState.RESTARTING, s.EngineStopped: EngineState.STOPPED,
+    s.EngineDraining: EngineState.DRAINING,
 }
 
 
@@ -270,6 +286,11 @@ def _weights(t: Timeline, ev: Any, ms: int) -> None:
         policy.failed_updates += 1
 
 
+def _scaled(t: Timeline, ev: Any, ms: int) -> None:
+    t.scalings.append(ScaleView(ms, ev.policy, ev.requested_by, ev.from_count, ev.to_count, ev.outcome, ev.reason,
+                                list(ev.engine_ids)))
+
+
 def _rollout(t: Timeline, ev: Any, ms: int) -> None:
     req = t.request(ev.policy, ev.rollout_id, ev.request_id)
     if isinstance(ev, s.RolloutRequested):
@@ -319,6 +340,7 @@ _FOLDS: dict[type[s.Event], Callable[[Timeline, Any, int], None]] = {
                                  s.WeightUpdateFailed, s.WeightVersionServing)},
     **{cls: _rollout for cls in (s.RolloutRequested, s.RolloutStarted, s.RolloutCompleted, s.RolloutFailed)},
     **{cls: _trainer for cls in (s.TrainerJoined, s.BatchConsumed, s.TrainStepDone)},
+    s.EnginesScaled: _scaled,
 }
 
 
@@ -397,6 +419,11 @@ def render(t: Timeline, *, max_batches: int = 20) -> str:
         [[p.policy, p.published, p.serving, " ".join(str(v) for _, v in p.published_history),
           " ".join(str(v) for _, v in p.serving_history), p.failed_updates]
          for p in sorted(t.policies.values(), key=lambda p: p.policy)])]
+    if t.scalings:
+        out += ["", "SCALING", format_table(
+            ["ms", "policy", "from", "to", "outcome", "requested_by", "engines", "reason"],
+            [[c.ms, c.policy, c.from_count, c.to_count, c.outcome, c.requested_by, ",".join(c.engine_ids) or "-",
+              c.reason or "-"] for c in t.scalings])]
     states: dict[str, int] = {}
     for r in t.requests.values():
         states[r.state] = states.get(r.state, 0) + 1

@@ -8,6 +8,7 @@
     rollout-bus record        the same as ``rollout-bus trainer record``
     rollout-bus request       queue one rollout request, optionally wait for it
     rollout-bus status        engines, policies, queues, consumer lag, dead letters
+    rollout-bus scale         start or stop engines of a policy's pool while the run goes on
     rollout-bus replay        event logs: export, import, timeline, verify, feed, offline
     rollout-bus prepare-model a packaged GGUF model as a Hugging Face directory, offline
 
@@ -41,6 +42,7 @@ COMMANDS: dict[str, Command] = {
     "record": Command("rollout_bus.trainer.cli", "a passive recorder of one policy's batches", ("record",)),
     "request": Command("rollout_bus.request", "queue one rollout request, optionally wait for its outcome"),
     "status": Command("rollout_bus.status", "engines, policies, queues, consumer lag, dead letters"),
+    "scale": Command("rollout_bus.scale", "start or stop engines of a policy's pool while the run goes on"),
     "replay": Command("rollout_bus.replay.cli", "event logs: export, import, timeline, verify, feed, offline"),
     "prepare-model": Command("rollout_bus.lm.prepare", "a packaged GGUF model as a Hugging Face directory, offline"),
 }

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--in-flight", type=int, default=2, help="async: requests kept in flight")
     t.add_argument("--max-staleness", type=int, default=1, help="async: versions a sample may lag")
     t.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
+    t.add_argument("--colocate", action="store_true",
+                   help="sync mode: offload the policy's engines (weights and KV cache) while training, onload them "
+                        "(weights, then KV cache) before the next rollout")
     w = t.add_mutually_exclusive_group()
     w.add_argument("--wait-serving", dest="wait_serving", action="store_true", default=None,
                    help="after publishing, wait until the engines serve the version (default: not in async)")
@@ -150,7 +153,7 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
                               max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
                               timeout_s=ns.rollout_timeout_s, data=data),
         schedule=ScheduleConfig(mode=ns.mode, in_flight=ns.in_flight, max_staleness=ns.max_staleness,
-                                stale_policy=ns.stale_policy),
+                                stale_policy=ns.stale_policy, colocate=ns.colocate),
         publish=PublishConfig(weights_root=ns.weights_root, wait_serving=ns.wait_serving,
                               serving_timeout_s=ns.serving_timeout_s, keep_versions=ns.keep_versions),
         optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),

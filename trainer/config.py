@@ -63,6 +63,9 @@ class ScheduleConfig:
     """Fully async: samples whose oldest weight version is more than this behind the trainer are not trained."""
     stale_policy: str = "drop"
     """``drop`` stale groups, or ``requeue`` their prompts (they come back in a later rollout)."""
+    colocate: bool = False
+    """Sync mode only: the policy's engines release their weights and KV cache while the trainer steps, and
+    get them back (weights, then KV cache) before the next rollout (``trainer.colocate``)."""
 
 
 @dataclass
@@ -206,6 +209,9 @@ class TrainerConfig:
             problems.append(f"mode {s.mode!r} is not one of {list(MODES)}")
         if s.stale_policy not in STALE_POLICIES:
             problems.append(f"stale_policy {s.stale_policy!r} is not one of {list(STALE_POLICIES)}")
+        if s.colocate and s.mode != "sync":
+            problems.append(f"colocate needs mode 'sync' (rollouts cannot run while the engines are offloaded), "
+                            f"got {s.mode!r}")
         if s.in_flight < 1:
             problems.append(f"in_flight must be >= 1, got {s.in_flight}")
         if s.max_staleness < 0:

@@ -49,6 +49,7 @@ from rollout_bus.lm.model import ModelConfig, TinyLM, load_config, load_model
 from rollout_bus.trainer import metrics as m
 from rollout_bus.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
 from rollout_bus.trainer.client import ClientConfig, ReceivedBatch, RolloutClient
+from rollout_bus.trainer.colocate import Colocation
 from rollout_bus.trainer.config import ConfigError, TrainerConfig
 from rollout_bus.trainer.finite import NonFiniteStep, nonfinite_parameters
 from rollout_bus.trainer.learner import Learner
@@ -102,6 +103,9 @@ class Trainer:
         self._timers = _Timers()
         self._labels = (config.policy, config.trainer_id)
         self._wait_ms = 0.0
+        self.colocation: Colocation | None = (
+            Colocation(client, self.keys, self.producer, config.policy) if config.schedule.colocate else None)
+        self._colocate_ms: dict[str, float] = {}
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> TrainerState:
@@ -191,6 +195,8 @@ class Trainer:
         assert self.weights is not None and self.state is not None and self.model is not None
         version = self.state.version
         self.weights.wait_engines(self.config.publish.serving_timeout_s)
+        if self.colocation is not None and self.colocation.any_offloaded():  # stopped between offload and onload
+            self.colocation.onload()
         if self.weights.serving_version() >= version:
             return
         if self.weights.published_version() < version:
@@ -219,8 +225,16 @@ class Trainer:
         if not state.in_flight:
             self._request(state.next_rollout_id)
         rid = min(state.in_flight)
-        if self._consume(self._await(rid)):
-            self._publish_version(wait=self.config.wait_serving)
+        batch = self._await(rid)
+        if self.colocation is None:
+            if self._consume(batch):
+                self._publish_version(wait=self.config.wait_serving)
+            return
+        self._colocate_ms = {"offload_ms": self.colocation.offload() * 1000}  # the engines' memory, for training
+        if self._consume(batch):
+            self._publish_version(wait=True)  # onloads after publishing: the engines come back on the new version
+        else:
+            self.colocation.onload()  # no step: the rollout is asked again, on the engines as they were
 
     def _one_step_ahead(self, target: int) -> None:
         state = self._st()
@@ -463,12 +477,16 @@ class Trainer:
         published = self.weights.publish(None, state.version)
         t1 = time.perf_counter()
         m.VERSION.labels(*self._labels).set(state.version)
+        colocated: dict[str, float] = {}
+        if self.colocation is not None:
+            colocated = {**self._colocate_ms, "onload_ms": self.colocation.onload() * 1000}
+            self._colocate_ms = {}
         waited = 0.0
         if wait:
             waited = self.weights.wait_serving(state.version, cfg.publish.serving_timeout_s,
                                                after_id=published.entry_id)
             m.STEP_SECONDS.labels(*self._labels, "wait_serving").observe(waited)
-        timings = {"publish_ms": (t1 - t0) * 1000, "serving_wait_ms": waited * 1000}
+        timings = {"publish_ms": (t1 - t0) * 1000, "serving_wait_ms": waited * 1000, **colocated}
         self._announce_step(**timings)
         if self.step_log is not None:
             self.step_log.step(state.step, state.version, {**state.last_metrics, **timings})

@@ -478,7 +478,8 @@ def test_what_each_role_must_not_do_gets_noperm(acl_server: AclServer) -> None:
     })
     trainer = acl_server.client("trainer")
     _check_refused("trainer", trainer, {
-        **forbidden(trainer, keys),
+        **{name: op for name, op in forbidden(trainer, keys).items()
+           if name != "XADD the command stream"},  # a colocated trainer offloads and onloads its engines
         "take another policy's lease": lambda: trainer.hset(other, "0", "trainer-x"),
         "drop another policy's lease": lambda: trainer.delete(other),
         "expire another policy's lease": lambda: trainer.pexpire(other, 1),
@@ -532,3 +533,18 @@ def test_the_controller_creates_the_bus_epoch_every_role_reads_it_and_writers_re
     for role in ("controller", "executor", "trainer"):  # a degraded durable write says so in the status hash
         acl_server.client(role).hset(keys.durability_status, role, "{}")
     assert set(bus_snapshot(acl_server.client("status"), keys).degraded) == {"controller", "executor", "trainer"}
+
+
+def test_a_colocated_trainer_may_send_offload_and_onload_commands_under_its_user(acl_server: AclServer) -> None:
+    """``trainer/colocate.py`` sends its pool's offload and onload on the commands stream as the trainer user."""
+    keys = Keys("colocate")
+    admin = acl_server.client("admin")
+    admin.acl_log_reset()
+    trainer = acl_server.client("trainer")
+    producer = s.Producer("trainer", "host-0")
+    for command in (s.OffloadEngines, s.OnloadEngines):
+        Publisher(trainer, keys, producer).publish(keys.command_stream, command(
+            producer=producer, tags=["weights"], policy=POLICY, request_id="colocate-1"))
+    sent = [s.decode(f) for _, f in admin.xrange(keys.command_stream)]
+    assert [type(e).__name__ for e in sent] == ["OffloadEngines", "OnloadEngines"]
+    assert acl_log(admin) == []
