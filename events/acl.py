@@ -12,6 +12,11 @@ command a script runs against the same user, so a script can do nothing its call
 ``deploy/render-acl.sh`` replaces with the SHA-256 of each password when Redis starts (a user
 whose optional password is not given is ``off``). ``python -m rollout_bus.events.acl`` prints it.
 
+No user here writes ``keys.scaling_stream``: its only writer is the executor autoscaler of ``rollout-bus run``
+(``launch/fleet.py``), which runs with the run's own Redis URL (the run also creates the bus epoch and holds
+payloads for its export: an admin's work). On a cluster KEDA scales the executors and writes nothing to the bus
+(``deploy/k8s/``); it reads queue lengths and pending counts as the ``status`` user.
+
 What Redis ACLs cannot express, and is therefore not prevented here:
 - arguments: a role that may ``XADD`` to a stream may also pass ``MAXLEN 0`` and empty it;
 - one stream shared by writers: ``weights`` (every trainer publishes there; the controller checks a

@@ -43,3 +43,24 @@ async def scripted_generate(ctx: Any, sample: Sample) -> Sample:
 
 def bad_group_reward(samples: list[Sample]) -> list[float]:
     return [1.0, 0.0]
+
+
+GATES_ENV = "ROLLOUT_BUS_TEST_GATES"
+
+
+async def gated_generate(ctx: Any, sample: Sample) -> Sample:
+    """No engine: holds the job until the file ``$ROLLOUT_BUS_TEST_GATES/<request id>`` exists, then answers the
+    right label (a test decides when each job finishes)."""
+    import asyncio
+    import os
+    from pathlib import Path
+
+    from rollout_bus.executor.sample import Generation
+    from rollout_bus.lm import tokenizer
+
+    gate = Path(os.environ[GATES_ENV]) / ctx.request.request_id
+    while not gate.exists():
+        await asyncio.sleep(0.05)
+    ids = tokenizer.encode(str(sample.label)) + [tokenizer.EOS_ID]
+    sample.add_response(Generation(ids, [-1.0] * len(ids), "stop", [0], ["gated"]))
+    return sample
