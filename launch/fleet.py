@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FleetRecord:
-    """What the fleet did over the run (``summary.json``)."""
+    """What the fleet did over the run (``summary.json``): each change (``t_s`` after the fleet was made, from and
+    to, why, and the inputs), and the most executors at once."""
 
     decisions: list[dict[str, Any]] = field(default_factory=list)
     peak: int = 0
@@ -55,6 +56,7 @@ class ExecutorFleet:
         self.state = ScalerState()
         self.record = FleetRecord()
         self._last_sample: float | None = None
+        self._started = time.monotonic()
 
     @property
     def count(self) -> int:
@@ -82,7 +84,7 @@ class ExecutorFleet:
         if decision.changes(self.count):
             log.info("executors %d -> %d (%s): %d waiting, oldest %.1fs, %d running", self.count, decision.target,
                      decision.reason, sample.depth, sample.oldest_age_s, sample.busy)
-            self.record.decisions.append({"t_s": now, "from": self.count, "to": decision.target,
+            self.record.decisions.append({"t_s": round(now - self._started, 3), "from": self.count, "to": decision.target,
                                           "reason": decision.reason, "depth": sample.depth,
                                           "oldest_age_s": sample.oldest_age_s, "busy": sample.busy})
             try:

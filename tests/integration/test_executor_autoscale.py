@@ -133,3 +133,32 @@ def test_a_burst_grows_the_fleet_and_the_shrink_lets_a_busy_executor_finish_its_
     assert sorted(fleet.members) == [0] and fleet.members[0].alive()
     assert procs.restarts() == {"executor-0": 0, "executor-1": 0, "executor-2": 0}  # a retirement is no death
     assert os.environ.get(GATES_ENV) is None  # the gates live in the children's environment only
+
+
+@pytest.mark.slow
+def test_a_run_with_autoscaled_executors_trains_and_publishes_each_decision_it_records(
+        tmp_path: Path, redis_server: RedisServer, keys: Keys) -> None:
+    import json
+
+    from rollout_bus.events.connection import connect
+    from rollout_bus.launch.job import run_job
+    from tests.support.fake_rollouts import shared_init_dir
+
+    steps = 8
+    policy = ScalePolicy(min=1, max=3, up_samples=1, up_cooldown_s=0.0, down_samples=3, down_cooldown_s=2.0)
+    config = RunConfig(mode="async", steps=steps, seed=0, out=str(tmp_path / "out"), redis_url=redis_server.url,
+                       namespace=keys.namespace, init_dir=str(shared_init_dir()), progress=False, timeout_s=240.0,
+                       in_flight=4, executors=1, autoscale=policy)
+    result = run_job(config)
+    assert result.summaries["p0"]["steps"] == steps
+    record = json.loads((result.out / "summary.json").read_text())["executors"]
+    assert 1 <= record["peak"] <= 3
+    client = connect(redis_server.url)
+    try:
+        published = scaled(client, keys)
+    finally:
+        client.close()
+    # every change the fleet made is on the bus, with its inputs, in order
+    assert [(e.current, e.target, e.reason, e.depth, e.busy) for e in published] == [
+        (d["from"], d["to"], d["reason"], d["depth"], d["busy"]) for d in record["decisions"]]
+    assert all(1 <= e.target <= 3 and (e.min_executors, e.max_executors) == (1, 3) for e in published)
