@@ -129,7 +129,7 @@ def parse_executors(spec: str) -> int | ScalePolicy:
 
     ``ValueError`` saying what to write instead for anything else."""
     text = spec.strip()
-    usage = "write N (a fixed count >= 1), auto, or auto:MIN-MAX with 0 <= MIN <= MAX and MAX >= 1 (e.g. auto:1-8)"
+    usage = "write N (a fixed count >= 1), auto, or auto:MIN-MAX with 1 <= MIN <= MAX (e.g. auto:1-8)"
     if text.isdigit():
         if int(text) < 1:
             raise ValueError(f"--executors {spec!r}: a fixed count must be >= 1; {usage}")
@@ -142,6 +142,8 @@ def parse_executors(spec: str) -> int | ScalePolicy:
         raise ValueError(f"--executors {spec!r}: {usage}")
     low, high = int(match[1]), int(match[2])
     problems = _bound_problems(low, high)
+    if low == 0:  # the policy takes 0 (a cluster may scale to zero); a run always has a trainer or an eval waiting
+        problems.append("MIN must be >= 1 in a run (its trainers and evals always wait on an executor)")
     if problems:
         raise ValueError(f"--executors {spec!r}: {'; '.join(problems)}; {usage}")
     return ScalePolicy(min=low, max=high)

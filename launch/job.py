@@ -164,6 +164,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                   "metric_logs": {p: {k: str(v) for k, v in o.items()} for p, o in outputs.items()}}
         if fleet is not None:
             result["executors"] = fleet.record.to_dict()
+            text += (f"\nexecutors: auto {fleet.policy.min}-{fleet.policy.max}, peak {fleet.record.peak}, "
+                     f"{len(fleet.record.decisions)} change(s) (ExecutorsScaled on the scaling stream)")
         (out / "summary.json").write_text(json.dumps(_finite(result), indent=2, default=str) + "\n")
         if config.plot:
             plot_rewards(summaries, out / "reward.png",

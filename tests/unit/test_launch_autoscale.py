@@ -108,7 +108,7 @@ def test_nonsense_inputs_count_as_nothing() -> None:
     assert out.target == 2 and out.state.over == 0
 
 
-@pytest.mark.parametrize(("spec", "expected"), [("3", 3), ("auto", DEFAULT_RANGE), ("auto:0-5", (0, 5)),
+@pytest.mark.parametrize(("spec", "expected"), [("3", 3), ("auto", DEFAULT_RANGE), ("auto:1-5", (1, 5)),
                                                  ("auto:2-2", (2, 2)), (" auto:1-8 ", (1, 8))])
 def test_executors_specs_parse(spec: str, expected: int | tuple[int, int]) -> None:
     parsed = parse_executors(spec)
@@ -120,6 +120,7 @@ def test_executors_specs_parse(spec: str, expected: int | tuple[int, int]) -> No
     ("auto:5-2", "MIN (5) must not exceed MAX (2)"),
     ("auto:-1-3", "MIN must be >= 0, got -1"),
     ("auto:0-0", "MAX must be >= 1, got 0"),
+    ("auto:0-5", "MIN must be >= 1 in a run"),
     ("auto:1", "auto:MIN-MAX"),
     ("auto:a-b", "auto:MIN-MAX"),
     ("auto:", "auto:MIN-MAX"),
