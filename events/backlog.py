@@ -24,7 +24,7 @@ from rq.job import Job
 from rollout_bus.events.connection import Guard, Redis, as_str
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
-from rollout_bus.events.schema import ExecutorsScaled, Producer
+from rollout_bus.events.schema import ExecutorsScaled
 
 log = logging.getLogger(__name__)
 
@@ -84,4 +84,4 @@ def publish_scaling(publisher: Publisher, keys: Keys, event: ExecutorsScaled) ->
     return publisher.publish(keys.scaling_stream, event)
 
 
-__all__ = ["Backlog", "ExecutorsScaled", "Producer", "publish_scaling", "read_backlog"]
+__all__ = ["Backlog", "publish_scaling", "read_backlog"]
