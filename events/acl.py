@@ -12,6 +12,11 @@ command a script runs against the same user, so a script can do nothing its call
 ``deploy/render-acl.sh`` replaces with the SHA-256 of each password when Redis starts (a user
 whose optional password is not given is ``off``). ``python -m rollout_bus.events.acl`` prints it.
 
+No user here writes ``keys.scaling_stream``: its only writer is the executor autoscaler of ``rollout-bus run``
+(``launch/fleet.py``), which runs with the run's own Redis URL (the run also creates the bus epoch and holds
+payloads for its export: an admin's work). On a cluster KEDA scales the executors and writes nothing to the bus
+(``deploy/k8s/``); it reads queue lengths and pending counts as the ``status`` user.
+
 What Redis ACLs cannot express, and is therefore not prevented here:
 - arguments: a role that may ``XADD`` to a stream may also pass ``MAXLEN 0`` and empty it;
 - event types: a colocated trainer sends offload and onload commands, so every trainer user may add any
@@ -208,13 +213,25 @@ def status() -> Role:
 ROLES = (controller, executor, trainer, status, gateway)
 
 
-def _user(role: Role) -> str:
-    parts = ["user", role.user, "on", f"#${{{role.password_var}}}", "resetkeys", "resetchannels"]
-    parts += [f"%R~{r}" for r in role.reads] + [f"&{c}" for c in role.channels] + ["-@all"]
-    parts += ["+@read" if role.reads else "", "-@dangerous"]
+def _rules(role: Role) -> tuple[list[str], list[str], list[str]]:
+    """A role's ACL rules in three parts: its key patterns, its channels, its commands (with the selectors)."""
+    parts = ["-@all", "+@read" if role.reads else "", "-@dangerous"]
     parts += [c if c.startswith("-") else f"+{c}" for c in role.keyless]
     parts += [g.selector() for g in role.grants]
-    return " ".join(p for p in parts if p)
+    return [f"%R~{r}" for r in role.reads], [f"&{c}" for c in role.channels], [p for p in parts if p]
+
+
+def _user(role: Role) -> str:
+    keys, channels, commands = _rules(role)
+    return " ".join(["user", role.user, "on", f"#${{{role.password_var}}}", "resetkeys", "resetchannels", *keys,
+                     *channels, *commands])
+
+
+def role_users(*trainer_policies: str) -> list[Role]:
+    """The role users of the ACL file: controller, executor, status, gateway, and a trainer per policy (default:
+    compose's)."""
+    return [controller(), executor(), status(), gateway(),
+            *(trainer(p) for p in (trainer_policies or (TRAINER_POLICY,)))]
 
 
 def render(*trainer_policies: str) -> str:
@@ -225,9 +242,20 @@ def render(*trainer_policies: str) -> str:
              "user replication on #${REPLICATION_PASSWORD} resetkeys resetchannels -@all +psync +replconf +ping",
              "user sentinel on #${SENTINEL_PASSWORD} resetkeys &__sentinel__:hello -@all +multi +slaveof +ping "
              "+exec +subscribe +config|rewrite +role +publish +info +client|setname +client|kill +script|kill"]
-    lines += [_user(role()) for role in (controller, executor, status, gateway)]
-    lines += [_user(trainer(policy)) for policy in (trainer_policies or (TRAINER_POLICY,))]
+    lines += [_user(role) for role in role_users(*trainer_policies)]
     return "\n".join(lines) + "\n"
+
+
+def chart_users(*trainer_policies: str) -> list[dict[str, str]]:
+    """The same role users as the Bitnami redis chart's ``auth.acl.users`` (``deploy/k8s/redis/values.yaml``): the
+    chart writes ``user <username> <enabled> #<sha256 of the userSecret's key of that name> <keys> <channels>
+    <commands>``. No part is ever empty: the chart fills an empty one with ``~*``, ``&*`` or ``+@all``."""
+    out = []
+    for role in role_users(*trainer_policies):
+        keys, channels, commands = _rules(role)
+        out.append({"username": role.user, "enabled": "on", "keys": " ".join(["resetkeys", *keys]),
+                    "channels": " ".join(["resetchannels", *channels]), "commands": " ".join(commands)})
+    return out
 
 
 if __name__ == "__main__":

@@ -144,9 +144,14 @@ class Keys:
         """What the janitor removed: streams trimmed, payloads swept, groups expired."""
         return self._k("stream", "housekeeping")
 
+    @property
+    def scaling_stream(self) -> str:
+        """Fleet scaling decisions with their inputs (``ExecutorsScaled``, written by the run's autoscaler)."""
+        return self._k("stream", "scaling")
+
     def event_streams(self) -> list[str]:
         return [self.engine_stream, self.weight_stream, self.command_stream, self.rollout_stream,
-                self.trainer_stream, self.housekeeping_stream, self.session_stream]
+                self.trainer_stream, self.housekeeping_stream, self.session_stream, self.scaling_stream]
 
     # --- keys ------------------------------------------------------------------------
     def dedupe(self, stream: str, key: str) -> str:
@@ -294,7 +299,7 @@ def _fixed_streams(keys: Keys) -> dict[str, str]:
     return {
         "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
         "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
-        "housekeeping": keys.housekeeping_stream, "sessions": keys.session_stream,
+        "housekeeping": keys.housekeeping_stream, "sessions": keys.session_stream, "scaling": keys.scaling_stream,
     }
 
 

@@ -503,6 +503,25 @@ class SessionClosed(Event):
     since_version: ClassVar[int] = 2
 
 
+# --- fleet scaling ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorsScaled(Event):
+    """The run's autoscaler changed its executor count from ``current`` to ``target`` (``reason``: ``backlog``,
+    ``age``, ``idle``, ``min``, ``max``), from these inputs: ``depth`` jobs waiting in the executors' queues, the
+    oldest for ``oldest_age_s``, ``busy`` jobs running; bounds ``min_executors``..``max_executors``."""
+
+    depth: int
+    oldest_age_s: float
+    busy: int
+    current: int
+    target: int
+    reason: str
+    min_executors: int
+    max_executors: int
+    since_version: ClassVar[int] = 2
+
+
 # --- encoding --------------------------------------------------------------------------------
 
 def event_types() -> dict[str, type[Event]]:

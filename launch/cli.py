@@ -1,6 +1,6 @@
 """``rollout-bus run``: a whole async RL run on one machine, in one command.
 
-``rollout-bus run [--mode sync|one-step|async] [--trainers N] [--executors N]
+``rollout-bus run [--mode sync|one-step|async] [--trainers N] [--executors N|auto[:MIN-MAX]]
 [--engines N] [--steps N] [--seed S] [--out DIR] [--metrics-base-port PORT]``
 
 Without ``REDIS_URL`` (or ``--redis-url``) it starts a private ``redis-server`` on a free
@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from rollout_bus.events.names import name_arg
+from rollout_bus.launch.autoscale import ScalePolicy, parse_executors
 from rollout_bus.launch.config import (
     AGENTS,
     DEFAULT_LORA,
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "while the trainer steps, and onloads the weights, then the KV cache, before the next rollout; "
                         "the summary reports the time each took per step")
     p.add_argument("--trainers", type=int, default=d.trainers, help="policies trained at once (one trainer each)")
-    p.add_argument("--executors", type=int, default=d.executors)
+    p.add_argument("--executors", default=str(d.executors), metavar="N|auto[:MIN-MAX]",
+                   help="N executors, or auto: between MIN and MAX (default 1-4), added while jobs wait in the queue "
+                        "and removed one at a time after a sustained idle spell (a busy one finishes its job first)")
     p.add_argument("--engines", type=int, default=d.engines)
     p.add_argument("--steps", type=int, default=None, help=f"training steps per trainer (default {d.steps}; "
                                                                f"{MODEL_DEFAULTS['steps']} with --model)")
@@ -152,8 +155,16 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
         values["lr"] = MODEL_FULL_LR
     if values.get("mode") is None:
         values["mode"] = "sync" if ns.colocate else defaults.mode
+    try:
+        executors = parse_executors(ns.executors)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if isinstance(executors, ScalePolicy):
+        values["executors"], values["autoscale"] = executors.min, executors
+    else:
+        values["executors"] = executors
     config = RunConfig(**values)
-    problems = colocate_problems(config) + [f"--{name} must be >= 1" for name in ("trainers", "executors", "engines", "steps")
+    problems = colocate_problems(config) + [f"--{name} must be >= 1" for name in ("trainers", "engines", "steps")
                 if getattr(config, name) < 1]
     if config.lora is not None:
         parts = config.lora.split(",")
@@ -171,7 +182,7 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
         problems.append("--eval-groups must be >= 0 and --eval-samples >= 1")
     if config.restart_budget < 0:
         problems.append("--restart-budget must be >= 0")
-    n_ports = config.executors + config.trainers + 2
+    n_ports = config.executor_slots() + config.trainers + 2
     if config.metrics_base_port < 0 or (config.metrics_base_port and config.metrics_base_port + n_ports > 65536):
         problems.append(f"--metrics-base-port must be 0 (off) or leave room for {n_ports} ports below 65536")
     problems += log_problems(LogConfig(to=parse_log_to(config.log_to)))

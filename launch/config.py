@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_bus.launch.autoscale import ScalePolicy
 from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES
 
 __all__ = ["AGENTS", "DEFAULT_LORA", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK", "MODES", "STALE_POLICIES", "RunConfig",
@@ -19,6 +20,9 @@ class RunConfig:
     """Engines give their memory back while the trainer steps (sync mode; ``trainer.colocate``)."""
     trainers: int = 1
     executors: int = 1
+    autoscale: ScalePolicy | None = None
+    """``--executors auto[:MIN-MAX]``: executors between these bounds, from the backlog (``launch.fleet``);
+    ``executors`` is then ignored."""
     engines: int = 1
     steps: int = 40
     seed: int = 0
@@ -86,6 +90,10 @@ class RunConfig:
     progress: bool = True
     plot: bool = True
 
+    def executor_slots(self) -> int:
+        """The most executors the run may have at once (each gets a ``/metrics`` port)."""
+        return self.autoscale.max if self.autoscale is not None else self.executors
+
     def policies(self) -> list[str]:
         return [f"p{i}" for i in range(self.trainers)]
 
@@ -142,7 +150,7 @@ def metrics_ports(config: RunConfig) -> dict[str, int]:
     base = config.metrics_base_port
     if not base:
         return {}
-    names = ["controller", *(f"executor-{i}" for i in range(config.executors)),
+    names = ["controller", *(f"executor-{i}" for i in range(config.executor_slots())),
              *(f"trainer-{p}" for p in config.policies()), "bus-metrics"]
     return {name: base + k for k, name in enumerate(names)}
 

@@ -39,6 +39,8 @@ class RunHandle:
     """The run's ``launch.procs.ProcessSet``."""
     keys: Any
     url: str
+    fleet: Any = None
+    """The run's ``launch.fleet.ExecutorFleet`` (``--executors auto``), else None."""
 
 
 def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None = None,
@@ -112,11 +114,19 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             *_janitor_args(config), *_health_args(config), *(["--colocate"] if config.colocate else []),
             *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
-        for i in range(config.executors):
-            procs.start(f"executor-{i}", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
-                                          "--index", str(i), *_task_args(config, init, task),
-                                          *config.executor_args, *_metrics_args(ports, f"executor-{i}")],
-                        restart=service)
+        def start_executor(i: int) -> Any:
+            return procs.start(f"executor-{i}", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
+                                                 "--index", str(i), *_task_args(config, init, task),
+                                                 *config.executor_args, *_metrics_args(ports, f"executor-{i}")],
+                               restart=service)
+
+        fleet = None
+        if config.autoscale is not None:
+            fleet = executor_fleet(config, client, keys, procs, start_executor)
+            fleet.start_initial()
+        else:
+            for i in range(config.executors):
+                start_executor(i)
         evals: dict[str, dict[str, dict[str, float]]] = {p: {} for p in policies}
         if config.model is not None and config.eval_groups > 0:  # the initial weights, before any trainer starts
             before = _evaluate(config, client, keys, procs, config.base_policy(), 0, task, "before", namespace)
@@ -135,8 +145,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                                                  *_metrics_args(ports, f"trainer-{p}")], restart=trainer_policy)
                     for p in policies]
         if on_start is not None:
-            on_start(RunHandle(procs, keys, url))
-        runlog = _follow(config, client, keys, procs, trainers, started, epoch)
+            on_start(RunHandle(procs, keys, url, fleet))
+        runlog = _follow(config, client, keys, procs, trainers, started, epoch, fleet)
         if config.model is not None and config.eval_groups > 0:  # each policy's last version
             for p in policies:
                 evals[p]["after"] = _evaluate(config, client, keys, procs, p, runlog.policy(p).steps, task, "after",
@@ -155,6 +165,10 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         result = {"config": asdict(config), "namespace": namespace, "wall_s": wall_s,
                   "policies": {s.policy: s.to_dict() for s in summaries}, "faults": faults.to_dict(),
                   "metric_logs": {p: {k: str(v) for k, v in o.items()} for p, o in outputs.items()}}
+        if fleet is not None:
+            result["executors"] = fleet.record.to_dict()
+            text += (f"\nexecutors: auto {fleet.policy.min}-{fleet.policy.max}, peak {fleet.record.peak}, "
+                     f"{len(fleet.record.decisions)} change(s) (ExecutorsScaled on the scaling stream)")
         (out / "summary.json").write_text(json.dumps(_finite(result), indent=2, default=str) + "\n")
         if config.plot:
             plot_rewards(summaries, out / "reward.png",
@@ -396,8 +410,30 @@ def _adopt_engines(client: Any, keys: Any, procs: Any) -> None:
             procs.adopt(record.pid, record.engine_id)
 
 
+def executor_fleet(config: RunConfig, client: Any, keys: Any, procs: Any, start: Callable[[int], Any]) -> Any:
+    """The run's autoscaled executors: backlog read from ``keys``' queues, decisions published on its scaling stream."""
+    import socket
+
+    from rollout_bus.events.backlog import publish_scaling, read_backlog
+    from rollout_bus.events.publish import Publisher
+    from rollout_bus.events.schema import ExecutorsScaled, Producer
+    from rollout_bus.launch.fleet import ExecutorFleet
+
+    assert config.autoscale is not None
+    publisher = Publisher(client, keys, Producer("autoscaler", socket.gethostname()))
+
+    def publish(sample: Any, decision: Any, policy: Any) -> None:
+        publish_scaling(publisher, keys, ExecutorsScaled(
+            producer=publisher.producer, depth=sample.depth, oldest_age_s=float(sample.oldest_age_s),
+            busy=sample.busy, current=sample.current, target=decision.target, reason=decision.reason,
+            min_executors=policy.min, max_executors=policy.max))
+
+    return ExecutorFleet(procs, config.autoscale, start=start, read_backlog=lambda: read_backlog(client, keys),
+                         publish=publish)
+
+
 def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float,
-            epoch: Any) -> Any:
+            epoch: Any, fleet: Any = None) -> Any:
     """Follow the trainer stream until every trainer is done; restart what died; fail when one keeps dying,
     or when Redis lost the run's data (its bus epoch vanished: ``RunFailed`` with that reason)."""
     from tqdm import tqdm
@@ -431,6 +467,8 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                 bar.set_postfix({s.policy: f"{s.rewards[-1]:.2f}" + (f" acc {s.correct[-1]:.2f} fmt {s.formatted[-1]:.2f}"
                                                                       if s.correct else "")
                                  for s in runlog.policies.values() if s.rewards})
+            if fleet is not None:
+                fleet.tick()
             try:
                 for child in procs.supervise():
                     tqdm.write(f"{child.name} exited with {exit_text(child.exits[-1])}: restarted "

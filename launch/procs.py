@@ -73,6 +73,8 @@ class Child:
     restarts: int = 0
     restart_at: float | None = None
     """When a dead child is due to start again (``time.monotonic``); None while it runs."""
+    retiring: bool = False
+    """Told to stop for good (``ProcessSet.retire``): its exit is not a death, and it is not started again."""
 
     @property
     def pid(self) -> int:
@@ -135,7 +137,7 @@ class ProcessSet:
         restarted: list[Child] = []
         for child in self.children:
             policy = child.policy
-            if policy is None or child.alive() or child.finished:
+            if policy is None or child.retiring or child.alive() or child.finished:
                 continue
             if child.restart_at is None:  # a death not seen before
                 status = child.proc.returncode
@@ -158,8 +160,23 @@ class ProcessSet:
         return restarted
 
     def restarts(self) -> dict[str, int]:
-        """Restarts so far, by child name (supervised children only)."""
-        return {c.name: c.restarts for c in self.children if c.policy is not None}
+        """Restarts so far, by child name (supervised children only; a name started again after it was retired
+        sums its children's)."""
+        out: dict[str, int] = {}
+        for c in self.children:
+            if c.policy is not None:
+                out[c.name] = out.get(c.name, 0) + c.restarts
+        return out
+
+    def retire(self, child: Child) -> None:
+        """Ask ``child`` to stop for good with one SIGTERM, without waiting: an executor finishes the job it
+        holds first (rq's warm shutdown). The supervisor leaves it alone from now on; ``stop_all`` still
+        stops it if it is alive when the run ends."""
+        child.retiring = True
+        child.restart_at = None
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGTERM)
 
     def adopt(self, pid: int, name: str) -> None:
         self.extra_pids[pid] = name

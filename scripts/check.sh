@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Static checks, as CI runs them: ruff, mypy and the architecture rules (import-linter).
+# Static checks, as CI runs them: ruff, the Kubernetes manifests, mypy and the architecture rules (import-linter).
 #
 # Installed, the top-level folders are the subpackages of one import name, rollout_bus
 # (pyproject.toml's package-dir map). mypy and import-linter read packages from disk, so
@@ -30,5 +30,6 @@ for name, folder in mapping.items():
 PY
 
 ruff check .
+python scripts/validate_k8s.py   # deploy/k8s/ against the Kubernetes and KEDA schemas, offline
 mypy
 (cd build/typecheck && lint-imports ../../pyproject.toml)

@@ -65,3 +65,24 @@ async def raising_episode(client: Any, item: dict[str, Any]) -> float:
     """One turn, then the environment breaks."""
     await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
     raise RuntimeError("the sandbox fell over")
+
+
+GATES_ENV = "ROLLOUT_BUS_TEST_GATES"
+
+
+async def gated_generate(ctx: Any, sample: Sample) -> Sample:
+    """No engine: holds the job until the file ``$ROLLOUT_BUS_TEST_GATES/<request id>`` exists, then answers the
+    right label (a test decides when each job finishes)."""
+    import asyncio
+    import os
+    from pathlib import Path
+
+    from rollout_bus.executor.sample import Generation
+    from rollout_bus.lm import tokenizer
+
+    gate = Path(os.environ[GATES_ENV]) / ctx.request.request_id
+    while not gate.exists():
+        await asyncio.sleep(0.05)
+    ids = tokenizer.encode(str(sample.label)) + [tokenizer.EOS_ID]
+    sample.add_response(Generation(ids, [-1.0] * len(ids), "stop", [0], ["gated"]))
+    return sample
