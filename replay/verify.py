@@ -217,13 +217,14 @@ class _Check:
         batch equals the one its session closed with (a sample left out of training has an all-zero mask)."""
         for sample, item in self.session_checks:
             closed = self.sessions_closed.get(sample.session_id)
-            ids = {"session_id": sample.session_id, "batch_id": item.event.batch_id}
+            batch_id = getattr(item.event, "batch_id", "")
+            ids = {"session_id": sample.session_id, "batch_id": batch_id}
             if closed is None:
-                self.add("session_not_closed", f"batch {item.event.batch_id} has a sample of session "
+                self.add("session_not_closed", f"batch {batch_id} has a sample of session "
                          f"{sample.session_id}, which never closed", ids, _ref(item))
             elif sample.trained and closed[0] != sample.digest:
                 self.add("session_mismatch", f"the sample of session {sample.session_id} in batch "
-                         f"{item.event.batch_id} is not its journal (digest {sample.digest}, the session closed "
+                         f"{batch_id} is not its journal (digest {sample.digest}, the session closed "
                          f"with {closed[0]})", ids, _ref(item), _ref(closed[1]))
 
     def finish(self) -> list[Violation]:
