@@ -37,7 +37,7 @@ COMMANDS: dict[str, Command] = {
     "run": Command("rollout_bus.launch.cli", "the main job: every role as a process, on a private Redis"),
     "controller": Command("rollout_bus.controller.cli", "the inference controller: engines, health, weights"),
     "executor": Command("rollout_bus.executor.cli", "one rollout executor (an rq worker); start more to scale"),
-    "gateway": Command("rollout_bus.gateway.server", "the agent session gateway: OpenAI's API per session"),
+    "gateway": Command("rollout_bus.gateway.cli", "the agent session gateway: OpenAI's API per session"),
     "trainer": Command("rollout_bus.trainer.cli", "the reference GRPO trainer (train) or a recorder (record)"),
     "record": Command("rollout_bus.trainer.cli", "a passive recorder of one policy's batches", ("record",)),
     "request": Command("rollout_bus.request", "queue one rollout request, optionally wait for its outcome"),

@@ -16,15 +16,17 @@ import re
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from rollout_bus.events.connection import Redis
 from rollout_bus.events.errors import BusError, DecodeError, InvalidRequest, RedisCommandError
 from rollout_bus.events.names import Keys, name_arg
-from rollout_bus.events.paging import page
-from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import EnginesScaled, Producer, ScaleEngines, decode, scale_target
 
 EXIT = {"done": 0, "failed": 1, "refused": 2}
+
+
+if TYPE_CHECKING:
+    from rollout_bus.events.connection import Redis
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def ask(client: Redis, keys: Keys, policy: str, count: str, timeout_s: float,
         echo: bool = True) -> tuple[int, list[EnginesScaled]]:
     """Send the command, follow its answers: (exit status, the answers)."""
+    from rollout_bus.events.paging import page
+    from rollout_bus.events.publish import Publisher
+
     producer = Producer("scale", f"{socket.gethostname()}-{os.getpid()}")
     command = ScaleEngines(producer=producer, policy=policy, count=count, request_id=f"scale-{os.urandom(6).hex()}")
     try:
