@@ -42,12 +42,15 @@ from rollout_bus.executor.plugins import load_callable
 from rollout_bus.executor.sample import Sample, Status
 from rollout_bus.gateway.chat import load_format
 from rollout_bus.gateway.server import Running, make_gateway, serve
-from rollout_bus.gateway.tito import model_versions, trajectory, trajectory_digest
+from rollout_bus.gateway.tito import model_versions, per_turn, trajectory, trajectory_digest
 
 log = logging.getLogger(__name__)
 
 EXTERNAL = "external"
 REWARD_KEY = "episode_reward"
+TURNS_KEY = "turn_samples"
+TURN_STRIDE = 1024
+"""Per-turn samples of sample ``i`` are numbered ``i * TURN_STRIDE + turn``."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class AgentConfig:
     host: str = "127.0.0.1"
     port: int = 0
     poll_s: float = 0.2
+    per_turn: bool = False
+    """One sample per turn (everything before the turn's reply is its prompt) instead of one per session."""
 
 
 def session_id(request_id: str, index: int) -> str:
@@ -126,7 +131,10 @@ class AgentRunner:
             else:
                 await self._run_episode(sid, item)
         state = await asyncio.to_thread(self.gateway.get, sid)
-        return fill_sample(sample, state, episode_s=time.monotonic() - started)
+        fill_sample(sample, state, episode_s=time.monotonic() - started)
+        if self.config.per_turn and not sample.remove_sample:
+            sample.metadata[TURNS_KEY] = per_turn(state)
+        return sample
 
     def reward(self, sample: Sample) -> float:
         return float(sample.metadata.get(REWARD_KEY) or 0.0)
@@ -166,6 +174,26 @@ class AgentRunner:
         except asyncio.CancelledError:
             await asyncio.shield(asyncio.to_thread(self.gateway.store.withdraw, policy, [sid]))
             raise
+
+
+def split_turns(samples: list[Sample]) -> list[Sample]:
+    """Samples whose episode asked for one sample per turn (``AgentConfig.per_turn``), split into them: each
+    keeps the episode's reward and group; its prompt is everything before the turn's reply."""
+    out: list[Sample] = []
+    for s in samples:
+        turns = s.metadata.pop(TURNS_KEY, None)
+        if not turns:
+            out.append(s)
+            continue
+        for k, t in enumerate(turns[:TURN_STRIDE]):
+            meta = {key: value for key, value in s.metadata.items() if key != "digest"}  # the whole session's
+            meta["turn"] = k
+            out.append(Sample(group_index=s.group_index, index=s.index * TURN_STRIDE + k, prompt=s.prompt,
+                              prompt_ids=t.prompt_ids, label=s.label, response_ids=t.response_ids,
+                              rollout_log_probs=t.log_probs, loss_mask=t.loss_mask,
+                              weight_versions=sorted({v for v in t.versions if v >= 0}), reward=s.reward,
+                              status=s.status, metadata=meta))
+    return out
 
 
 def fill_sample(sample: Sample, state: dict[str, Any], *, episode_s: float = 0.0) -> Sample:

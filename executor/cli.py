@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--agent-model-path", default=None,
                    help="the served model's directory, for its chat template (default: the tiny LM's form)")
     a.add_argument("--agent-max-context", type=int, default=None)
+    a.add_argument("--agent-per-turn", action="store_true",
+                   help="one sample per turn (the turn's reply, after everything before it) instead of one per episode")
     a.add_argument("--gateway-host", default="127.0.0.1", help="where this executor's gateway listens")
     a.add_argument("--gateway-port", type=int, default=0, help="0: a free port")
     r = p.add_argument_group("engines")
@@ -86,7 +88,7 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         if ns.agent_max_context is not None and ns.agent_max_context <= 0:
             raise SystemExit("--agent-max-context must be positive")
         agent = AgentConfig(ns.agent, model_path=ns.agent_model_path, max_context=ns.agent_max_context,
-                            host=ns.gateway_host, port=ns.gateway_port)
+                            host=ns.gateway_host, port=ns.gateway_port, per_turn=ns.agent_per_turn)
     return ExecutorConfig(
         redis_url=ns.redis_url, namespace=ns.namespace or Keys.from_env().namespace, index=ns.index,
         payload_store=ns.payload_store,

@@ -22,6 +22,7 @@ from typing import Any
 
 from rollout_bus.events.rollouts import RolloutRequest
 from rollout_bus.events.train_data import TrainData
+from rollout_bus.executor.agents import split_turns
 from rollout_bus.executor.convert import pass_at_n, sample_metrics, to_train_data
 from rollout_bus.executor.cursor import CursorStore, Item
 from rollout_bus.executor.engines import EngineCaller, EngineTime
@@ -123,7 +124,7 @@ class RolloutRunner:
             raise FilterError(f"the dynamic filter dropped all {drawn} groups drawn in {rounds} round(s): "
                               f"{dict(reasons)}")
         kept.sort(key=lambda g: int(g.item["index"]))
-        samples = [s for g in kept for s in g.samples]
+        samples = split_turns([s for g in kept for s in g.samples])
         metrics = sample_metrics(samples)
         metrics.update(groups_drawn=float(drawn), groups_kept=float(len(kept)),
                        groups_filtered=float(sum(reasons.values())), sampling_rounds=float(rounds))
@@ -263,7 +264,7 @@ class RolloutRunner:
                           "return a bool or a FilterResult")
 
 
-SESSION_FIELDS = ("session_id", "session_status", "turns", "tool_calls", "generation_s", "environment_s",
+SESSION_FIELDS = ("session_id", "session_status", "turn", "turns", "tool_calls", "generation_s", "environment_s",
                   "engine_switches", "attempt", "engine_calls", "engine_tokens", "digest")
 
 

@@ -284,7 +284,7 @@ def session_samples(data: bytes | memoryview) -> list[SessionSample]:
     for record in records:
         k = by_index.get(int(record.get("index", -1)))
         sid = record.get("session_id")
-        if k is None or not isinstance(sid, str):
+        if k is None or not isinstance(sid, str) or "turn" in record:  # one turn's sample: not the whole journal
             continue
         view = data_.sample(k)
         mask = [int(m) for m in view.loss_mask.tolist()]

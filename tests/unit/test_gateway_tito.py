@@ -196,3 +196,21 @@ def test_any_message_is_either_canonical_or_a_clear_error(message: Any) -> None:
         assert exc.param and exc.param.startswith("messages[0]")
     else:
         assert out["role"] in ("system", "user", "assistant", "tool") and isinstance(out["content"], str)
+
+
+def test_per_turn_samples_split_a_session_keeping_its_reward_and_group() -> None:
+    from rollout_bus.executor.agents import TURN_STRIDE, TURNS_KEY, fill_sample, split_turns
+    from rollout_bus.executor.sample import Sample
+
+    state, _ = three_turns()
+    state = {**state, "status": "closed", "reward": 0.5}
+    sample = fill_sample(Sample(group_index=2, index=5, prompt="p", prompt_ids=[1]), state)
+    sample.reward = 0.5
+    sample.metadata[TURNS_KEY] = per_turn(state)
+    whole = trajectory(state)
+    parts = split_turns([sample])
+    assert [p.index for p in parts] == [5 * TURN_STRIDE + k for k in range(3)]
+    assert {p.group_index for p in parts} == {2} and {p.reward for p in parts} == {0.5}
+    assert parts[-1].prompt_ids + parts[-1].response_ids == whole.prompt_ids + whole.response_ids
+    assert all(set(p.loss_mask) == {1} for p in parts) and [p.metadata["turn"] for p in parts] == [0, 1, 2]
+    assert "digest" not in parts[0].metadata and TURNS_KEY not in sample.metadata
