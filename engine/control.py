@@ -116,6 +116,7 @@ class Control:
             if done:
                 return web.Response(text=FLUSHED)
             if time.monotonic() >= deadline:
+                logger.warning("cache not flushed: %d running, %d waiting", running, waiting)
                 return web.Response(status=400, text=("Cache not flushed because there are pending requests. "
                                                       f"#queue-req: {waiting}, #running-req: {running}\n"))
             await asyncio.sleep(min(FLUSH_RETRY_S, max(deadline - time.monotonic(), 0.0)))

@@ -3,16 +3,18 @@
 Each iteration runs the commands that arrived (submit, abort, pause, weight swaps, adapters, ...),
 admits waiting sequences up to ``max_batch_size``, then makes one step on the served model's
 decode batch: a decode step for the sequences already in it and a prefill for new ones, which then
-join it. Every row picks its adapter (or the base weights) in the same forward. Commands only run
-between steps, so a weight swap is atomic with respect to decoding. During a step's delay
-(``--token-delay-ms`` plus ``--token-delay-per-seq-ms`` per sequence in the step: ``step_delay_s``)
-commands keep running.
+join it; a new one whose first tokens are in the prefix cache (``engine.prefix_cache``: finished
+sequences' KV) prefills only the rest. Every row picks its adapter (or the base weights) in the same
+forward. Commands only run between steps, so a weight swap is atomic with respect to decoding. During
+a step's delay (``--token-delay-ms`` plus ``--token-delay-per-seq-ms`` per sequence in the step:
+``step_delay_s``) commands keep running.
 
 Paused (``in_place`` or ``retract``), or with ``weights``/``kv_cache`` released, the scheduler
 does not step: new sequences wait in the queue until ``continue``/``resume``. The checks SGLang's
 scheduler makes are answered here as clear refusals: releasing memory while sequences run, resuming
 a tag never released, and flushing the cache after a weight load while an ``in_place`` pause holds
-sequences (the weights are loaded, the reported version stays).
+sequences (the weights are loaded, the reported version stays). Every change of the weights, version,
+adapters or memory drops the prefix cache, whatever else it does.
 """
 
 from __future__ import annotations
@@ -328,7 +330,6 @@ class Scheduler:
 
     def _flush(self) -> tuple[bool, int, int]:
         if self._busy():
-            logger.warning("cache not flushed: %d running, %d waiting", len(self._running), len(self._waiting))
             return False, len(self._running), len(self._waiting)
         self.flushes += 1
         self._drop_prefix_cache("/flush_cache")
@@ -339,7 +340,8 @@ class Scheduler:
         """Drop every cached prefix; a sequence prefilled before this is not cached when it ends."""
         if self.prefix_cache is not None:
             dropped = self.prefix_cache.flush()
-            logger.info("prefix cache flushed (%s): %d entries dropped", why, dropped)
+            if dropped:
+                logger.info("prefix cache flushed (%s): %d entries dropped", why, dropped)
 
     def _namespace(self, seq: Seq) -> tuple[str, str | None]:
         return self.model.version, seq.spec.lora
