@@ -236,7 +236,11 @@ class Scheduler:
         return affected
 
     def _retract(self) -> None:
+        """Running sequences back to the head of the queue; their KV goes to the prefix cache (as SGLang's
+        retraction does), so that resuming prefills only their last token unless a flush comes first."""
         for seq in reversed(self._running):
+            if seq.in_batch:
+                self._keep_prefix(seq)
             seq.in_batch = False
             seq.retractions += 1
             self._waiting.appendleft(seq)
@@ -278,11 +282,11 @@ class Scheduler:
         if self._busy():
             raise BadRequest(f"{RELEASE_BUSY} {len(self._running)} running and {len(self._waiting)} waiting; "
                              "pause generation (mode retract or abort) first")
-        self._drop_prefix_cache(f"memory release {sorted(tags)}")
         if "weights" in tags:
             self.model.release()
         if "kv_cache" in tags:
             self._retract()
+        self._drop_prefix_cache(f"memory release {sorted(tags)}")
         self.released = self.released | frozenset(tags)
         logger.info("released memory %s", sorted(tags))
 

@@ -157,6 +157,27 @@ def test_an_in_place_update_with_a_request_held_caches_nothing_that_request_comp
     assert lps(after) == pytest.approx(logprobs(other, again, after["output_ids"]), abs=1e-4)
 
 
+def test_a_retracted_request_resumes_from_its_own_cached_kv(engine: EngineProcess, uncached: EngineProcess,
+                                                            base: None) -> None:
+    ids = [1, *user(35, 40)]
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(gen, engine, ids, LONG)
+        wait_until("running", lambda: engine.state()["running"] == 1)
+        steps = engine.state()["steps"]
+        wait_until("a few tokens out", lambda: engine.state()["steps"] > steps + 5)
+        assert engine.post("/pause_generation", {"mode": "retract"})[0] == 200
+        try:
+            wait_until("requeued", lambda: (engine.state()["running"], engine.state()["queued"]) == (0, 1))
+            assert engine.state()["kv_cache_bytes"] == 0 and cache_state(engine)["entries"] == 1
+        finally:
+            assert engine.post("/continue_generation", {})[0] == 200
+        out = pending.result(60)
+    want = gen(uncached, ids, LONG)
+    assert out["meta_info"]["num_retractions"] == 1 and out["output_ids"] == want["output_ids"]
+    assert lps(out) == pytest.approx(lps(want), abs=1e-4)
+    assert out["meta_info"]["cached_tokens"] > len(ids)  # all it had computed: the prompt and some output
+
+
 def test_flush_cache_drops_the_cache_with_sglangs_replies(engine: EngineProcess, base: None) -> None:
     ids = [1, *user(40, 40)]
     again = ids + gen(engine, ids)["output_ids"] + user(41, 30)
