@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rollout_bus.engine import prefix_cache
-from rollout_bus.engine.args import parse_args
+from rollout_bus.engine.args import DEFAULT_PREFIX_CACHE_TOKENS, parse_args
 from rollout_bus.engine.prefix_cache import BLOCK, PrefixCache
 from rollout_bus.engine.protocol import SamplingParams, SequenceSpec
 from rollout_bus.engine.runtime import Engine
@@ -90,6 +90,14 @@ def test_a_hash_collision_is_no_match_rather_than_another_sequences_kv(monkeypat
     cache.insert(NS, list(range(40)), kv(40), generation=0)
     assert cache.match(NS, list(range(100, 140)), 39) is None
     assert cache.match(NS, list(range(40)), 39).length == 39  # type: ignore[union-attr]
+
+
+def test_the_cache_is_on_by_default_and_its_flags_are_checked() -> None:
+    assert parse_args(["--model-path", "m"]).prefix_cache_tokens == DEFAULT_PREFIX_CACHE_TOKENS
+    assert parse_args(["--model-path", "m", "--radix-cache-tokens", "64"]).prefix_cache_tokens == 64
+    assert parse_args(["--model-path", "m", "--disable-radix-cache"]).prefix_cache_tokens == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--radix-cache-tokens", "0"])
 
 
 # --- on the scheduler ---------------------------------------------------------------------------------
