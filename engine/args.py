@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+DEFAULT_PREFIX_CACHE_TOKENS = 16384
+"""Tokens of finished sequences' KV the prefix cache keeps by default (``--radix-cache-tokens``)."""
+
 
 @dataclass(frozen=True)
 class EngineArgs:
@@ -33,6 +36,13 @@ class EngineArgs:
     lora_target_modules: tuple[str, ...] | None = None
     lora_paths: tuple[str, ...] = ()
     weights_root: str | None = None
+    disable_radix_cache: bool = False
+    radix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        """The prefix cache's token budget; 0 when it is off."""
+        return 0 if self.disable_radix_cache else self.radix_cache_tokens
 
     @property
     def model_name(self) -> str:
@@ -94,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights-root", default=None,
                         help="load weights and adapters over HTTP only from directories inside DIR (or the "
                              "--model-path it started from); default: any directory the engine can read")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="turn the prefix cache off: every prompt is prefilled whole (SGLang's flag)")
+    parser.add_argument("--radix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
+                        help="tokens of finished sequences' KV kept for reuse by prompts that start with them "
+                             "(least recently used dropped first)")
     return parser
 
 
@@ -112,6 +127,8 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineArgs:
         parser.error("--token-delay-per-seq-ms must be >= 0")
     if ns.torch_threads < 1:
         parser.error("--torch-threads must be >= 1")
+    if ns.radix_cache_tokens < 1:
+        parser.error("--radix-cache-tokens must be >= 1 (use --disable-radix-cache to turn the cache off)")
     if ns.max_loras_per_batch < 1:
         parser.error("--max-loras-per-batch must be >= 1")
     if ns.lora_paths:

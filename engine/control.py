@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,15 @@ from rollout_bus.engine.protocol import (
     parse_pause_mode,
 )
 from rollout_bus.engine.runtime import Engine
-from rollout_bus.engine.scheduler import FLUSH_REFUSED
+from rollout_bus.engine.scheduler import FLUSH_REFUSED, FLUSHED
 from rollout_bus.engine.served import WeightUpdate
 from rollout_bus.lm.files import DIGEST_ALGORITHM
 from rollout_bus.lm.hf import state_digest
 
 logger = logging.getLogger(__name__)
+
+FLUSH_RETRY_S = 0.05
+"""How often ``/flush_cache?timeout=S`` asks again while requests run."""
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -97,9 +101,25 @@ class Control:
         ])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if await asyncio.wrap_future(self.scheduler.flush_cache()):
-            return web.Response(text="Cache flushed.\n")
-        return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
+        """Drop the prefix cache, as SGLang's route: 200 with its text, or 400 while requests run (or queue,
+        unpaused). ``?timeout=S`` tries again until idle, for at most ``S`` seconds."""
+        raw = request.query.get("timeout", "0")
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            timeout_s = -1.0
+        if not 0 <= timeout_s < float("inf"):
+            raise BadRequest(f"timeout must be a number of seconds >= 0, got {raw[:40]!r}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, running, waiting = await asyncio.wrap_future(self.scheduler.flush_cache())
+            if done:
+                return web.Response(text=FLUSHED)
+            if time.monotonic() >= deadline:
+                logger.warning("cache not flushed: %d running, %d waiting", running, waiting)
+                return web.Response(status=400, text=("Cache not flushed because there are pending requests. "
+                                                      f"#queue-req: {waiting}, #running-req: {running}\n"))
+            await asyncio.sleep(min(FLUSH_RETRY_S, max(deadline - time.monotonic(), 0.0)))
 
     # weights
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:

@@ -4,7 +4,8 @@ Rows share one ``DynamicCache``: prompts are left-padded, positions are passed e
 counts only its real tokens), and the attention mask grows by one column per step, as
 ``model.generate`` does with a batch. New rows are prefilled on their own cache and merged in
 (both caches left-padded to the longer); finished rows are dropped with ``batch_select_indices``,
-and slots that became padding in every row are cut off. Decoder-only models with full attention
+and slots that became padding in every row are cut off. A row prefilled after a cached prefix (the
+prefix cache) runs only its new tokens, on a cache that starts with the prefixes. Decoder-only models with full attention
 (Llama, Qwen2, SmolLM2, ...) are what this is written for.
 """
 
@@ -20,7 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rollout_bus.engine.codec import HFCodec
-from rollout_bus.engine.served import IGNORED_CONFIG_KEYS, DecodeBatch, LoraLimits, ServedModel
+from rollout_bus.engine.prefix_cache import Layers
+from rollout_bus.engine.served import (
+    IGNORED_CONFIG_KEYS,
+    DecodeBatch,
+    LoraLimits,
+    ServedModel,
+    prefix_lengths,
+)
 from rollout_bus.lm import hf
 from rollout_bus.lm.files import CONFIG_FILE, tensor_shapes
 
@@ -89,22 +97,40 @@ class HFBatch(DecodeBatch):
         self.positions = self.positions + 1
         return out.logits[:, -1]
 
-    def prefill(self, seqs: Sequence[Any]) -> Tensor:
+    def prefill(self, seqs: Sequence[Any], prefixes: Sequence[Layers | None] | None = None) -> Tensor:
+        """Rows are ``[padding, cached prefix, padding, new tokens]``: the prefixes left-padded to the
+        longest one, the new tokens to the longest run; the mask has a hole where a row's prefix is short."""
         device = self.served.device
-        prompts = [s.tokens() for s in seqs]
-        longest = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-        mask = torch.zeros(len(prompts), longest, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, longest - len(prompt):] = torch.tensor(prompt)
-            mask[row, longest - len(prompt):] = 1
+        cached = prefix_lengths(prefixes, len(seqs))
+        runs = [s.tokens()[n:] for s, n in zip(seqs, cached, strict=True)]
+        longest = max(len(r) for r in runs)
+        ids = torch.zeros(len(runs), longest, dtype=torch.long)
+        mask = torch.zeros(len(runs), longest, dtype=torch.long)
+        for row, run in enumerate(runs):
+            ids[row, longest - len(run):] = torch.tensor(run)
+            mask[row, longest - len(run):] = 1
         ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = self.served.cache_class()
+        seen = torch.tensor(cached, device=device)
+        positions = (seen[:, None] + mask.cumsum(dim=1) - 1).clamp(min=0)
+        if max(cached) == 0:
+            cache = self.served.cache_class()
+        else:
+            assert prefixes is not None
+            past, past_mask = _stack_prefixes(prefixes, cached, device)
+            cache = self.served.cache_class(ddp_cache_data=past)
+            mask = torch.cat([past_mask, mask], dim=1)
         out = self.served.forward(self._names(seqs), input_ids=ids, attention_mask=mask, position_ids=positions,
                                   cache=cache, use_cache=True, logits_to_keep=1)
         self._merge(list(seqs), cache, mask, positions[:, -1] + 1)
         return out.logits[:, -1]
+
+    def row_kv(self, seq: Any) -> Layers | None:
+        row = next((i for i, s in enumerate(self.rows) if s is seq), None)
+        if row is None or self.cache is None:
+            return None
+        slots = self.mask[row].nonzero().squeeze(1)
+        return [(layer.keys[row:row + 1].index_select(2, slots), layer.values[row:row + 1].index_select(2, slots))
+                for layer in self.cache.layers]
 
     def _merge(self, seqs: list[Any], cache: Any, mask: Tensor, positions: Tensor) -> None:
         if not self.rows:
@@ -150,6 +176,23 @@ class HFBatch(DecodeBatch):
         if self.cache is None:
             return 0
         return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+
+
+def _stack_prefixes(prefixes: Sequence[Layers | None], cached: list[int],
+                    device: torch.device) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+    """Every row's prefix left-padded to the longest (zeros for a row without one) and their mask."""
+    length = max(cached)
+    some = next(p for p in prefixes if p is not None)
+    layers = []
+    for i, (k0, v0) in enumerate(some):
+        empty_k, empty_v = k0.new_zeros(1, k0.shape[1], 0, k0.shape[3]), v0.new_zeros(1, v0.shape[1], 0, v0.shape[3])
+        keys = torch.cat([_left_pad(p[i][0] if p is not None else empty_k, length) for p in prefixes])
+        values = torch.cat([_left_pad(p[i][1] if p is not None else empty_v, length) for p in prefixes])
+        layers.append((keys.to(device), values.to(device)))
+    mask = torch.zeros(len(prefixes), length, dtype=torch.long, device=device)
+    for row, n in enumerate(cached):
+        mask[row, length - n:] = 1
+    return layers, mask
 
 
 def _left_pad(t: Tensor, length: int) -> Tensor:

@@ -25,7 +25,8 @@ def generate_reply(progress: Progress, codec: Codec) -> dict[str, Any]:
             for logprob, token in zip(progress.logprobs, progress.output_ids, strict=True)
         ]
         meta["output_token_logprobs_length"] = len(progress.output_ids)
-    meta.update(reasoning_tokens=0, completion_tokens=len(progress.output_ids), cached_tokens=0,
+    meta.update(reasoning_tokens=0, completion_tokens=len(progress.output_ids),
+                cached_tokens=progress.cached_tokens,
                 e2e_latency=round(progress.e2e_latency, 6))
     spans = version_spans(progress.versions)
     if len(spans) > 1:

@@ -251,7 +251,7 @@ class Routes:
             "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "num_total_tokens": 0, "num_active_tokens": 0,
             "num_prealloc_ready_tokens": 0, "max_total_num_tokens": 0,
             "max_running_requests": self.engine.args.max_batch_size, "token_usage": 0.0, "gen_throughput": 0.0,
-            "cache_hit_rate": 0.0, "utilization": 0.0, "total_prefill_uncached_tokens": 0,
+            "cache_hit_rate": round(self.scheduler.cache_hit_rate, 6), "utilization": 0.0, "total_prefill_uncached_tokens": 0,
             "total_prefill_busy_us": 0, "decode_moments": [],
         }
         return web.json_response({

@@ -46,7 +46,7 @@ class Engine:
             self.model,
             SchedulerConfig(max_batch_size=args.max_batch_size, token_delay_ms=args.token_delay_ms,
                             token_delay_per_seq_ms=args.token_delay_per_seq_ms, seed=args.seed,
-                            max_queued_seqs=args.max_queued_seqs),
+                            max_queued_seqs=args.max_queued_seqs, prefix_cache_tokens=args.prefix_cache_tokens),
         )
 
     def start(self) -> None:

@@ -3,16 +3,18 @@
 Each iteration runs the commands that arrived (submit, abort, pause, weight swaps, adapters, ...),
 admits waiting sequences up to ``max_batch_size``, then makes one step on the served model's
 decode batch: a decode step for the sequences already in it and a prefill for new ones, which then
-join it. Every row picks its adapter (or the base weights) in the same forward. Commands only run
-between steps, so a weight swap is atomic with respect to decoding. During a step's delay
-(``--token-delay-ms`` plus ``--token-delay-per-seq-ms`` per sequence in the step: ``step_delay_s``)
-commands keep running.
+join it; a new one whose first tokens are in the prefix cache (``engine.prefix_cache``: finished
+sequences' KV) prefills only the rest. Every row picks its adapter (or the base weights) in the same
+forward. Commands only run between steps, so a weight swap is atomic with respect to decoding. During
+a step's delay (``--token-delay-ms`` plus ``--token-delay-per-seq-ms`` per sequence in the step:
+``step_delay_s``) commands keep running.
 
 Paused (``in_place`` or ``retract``), or with ``weights``/``kv_cache`` released, the scheduler
 does not step: new sequences wait in the queue until ``continue``/``resume``. The checks SGLang's
 scheduler makes are answered here as clear refusals: releasing memory while sequences run, resuming
 a tag never released, and flushing the cache after a weight load while an ``in_place`` pause holds
-sequences (the weights are loaded, the reported version stays).
+sequences (the weights are loaded, the reported version stays). Every change of the weights, version,
+adapters or memory drops the prefix cache, whatever else it does.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from rollout_bus.engine.args import DEFAULT_PREFIX_CACHE_TOKENS
 from rollout_bus.engine.errors import BadRequest, Overloaded, Unavailable
+from rollout_bus.engine.prefix_cache import Layers, PrefixCache
 from rollout_bus.engine.protocol import PauseMode
 from rollout_bus.engine.sampling import sample_next
 from rollout_bus.engine.sequence import Seq, abort_reason, finish_reason_after
@@ -40,6 +44,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RELEASE_BUSY = "release_memory_occupation should be called only when server is idle."
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+           "requests, the operation will not be performed.)\n")
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")
 
@@ -54,6 +60,8 @@ class SchedulerConfig:
     idle_poll_s: float = 0.5
     max_queued_seqs: int = 16384
     """Most sequences waiting for a batch slot; a submit that would pass it is refused whole (429)."""
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
+    """Token budget of the prefix cache (finished sequences' KV reused by later prompts); 0 turns it off."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,9 @@ class Scheduler:
         self._by_rid: dict[str, Seq] = {}
         self._batch = model.new_batch()
         self._unloading: dict[str, list[Future[None]]] = {}
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens > 0 else None
+        self.prefilled_tokens = 0  # tokens prefills were asked to cover, and those the prefix cache covered
+        self.cached_tokens = 0
         self.unloading: frozenset[str] = frozenset()  # the names above, replaced whole (read by HTTP)
         # written by the scheduler thread, read anywhere
         self.paused: PauseMode | None = None
@@ -164,8 +175,14 @@ class Scheduler:
         gone, which waits for the sequences using it to finish (no new request may use it meanwhile)."""
         return self.call(lambda: self._unload_adapter(name))
 
-    def flush_cache(self) -> Future[bool]:
+    def flush_cache(self) -> Future[tuple[bool, int, int]]:
+        """Drop the prefix cache when idle (as SGLang's ``flush_cache``): (done, running, waiting)."""
         return self.call(self._flush)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of the prompt tokens to prefill that the prefix cache served."""
+        return self.cached_tokens / self.prefilled_tokens if self.prefilled_tokens else 0.0
 
     def snapshot(self) -> Future[dict[str, Any]]:
         return self.call(self._snapshot)
@@ -219,7 +236,11 @@ class Scheduler:
         return affected
 
     def _retract(self) -> None:
+        """Running sequences back to the head of the queue; their KV goes to the prefix cache (as SGLang's
+        retraction does), so that resuming prefills only their last token unless a flush comes first."""
         for seq in reversed(self._running):
+            if seq.in_batch:
+                self._keep_prefix(seq)
             seq.in_batch = False
             seq.retractions += 1
             self._waiting.appendleft(seq)
@@ -241,6 +262,7 @@ class Scheduler:
         # SGLang flushes after loading: refused while an in_place pause holds sequences. Unpaused, it
         # waits for running requests first (here they carry on with the new weights and report spans).
         flushed = not flush_cache or not (self.paused == "in_place" and self._busy())
+        self._drop_prefix_cache(f"weights from {update.source}")  # whatever flush_cache says: no stale KV is reused
         if flushed:
             self.model.apply_update(update)
         else:
@@ -252,12 +274,15 @@ class Scheduler:
     def _set_version(self, version: str, abort_all: bool) -> None:
         if abort_all:
             self._abort(self._matching(None), "aborted by /update_weight_version (abort_all_requests)")
+        if version != self.model.version:
+            self._drop_prefix_cache(f"version {version}")
         self.model.set_version(version)
 
     def _release(self, tags: tuple[str, ...]) -> None:
         if self._busy():
             raise BadRequest(f"{RELEASE_BUSY} {len(self._running)} running and {len(self._waiting)} waiting; "
                              "pause generation (mode retract or abort) first")
+        self._drop_prefix_cache(f"memory release {sorted(tags)}")  # first: its KV is freed with the rest
         if "weights" in tags:
             self.model.release()
         if "kv_cache" in tags:
@@ -278,6 +303,7 @@ class Scheduler:
     def _load_adapter(self, name: str, path: str, digest: str) -> None:
         if name in self.model.adapter_paths():
             raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
+        self._drop_prefix_cache(f"adapter {name} loaded")
         self.model.attach_adapter(name, path, digest)
 
     def _unload_adapter(self, name: str) -> Future[None]:
@@ -296,6 +322,7 @@ class Scheduler:
         for name in [n for n in self._unloading if n not in in_use]:
             waiters = self._unloading.pop(name)
             self.unloading = frozenset(self._unloading)
+            self._drop_prefix_cache(f"adapter {name} unloaded")
             try:
                 self.model.detach_adapter(name)
             except Exception as exc:
@@ -306,11 +333,56 @@ class Scheduler:
                 for w in waiters:
                     w.set_result(None)
 
-    def _flush(self) -> bool:
+    def _flush(self) -> tuple[bool, int, int]:
         if self._busy():
-            return False
+            return False, len(self._running), len(self._waiting)
         self.flushes += 1
-        return True
+        self._drop_prefix_cache("/flush_cache")
+        return True, 0, len(self._waiting)
+
+    # the prefix cache
+    def _drop_prefix_cache(self, why: str) -> None:
+        """Drop every cached prefix; a sequence prefilled before this is not cached when it ends."""
+        if self.prefix_cache is not None:
+            dropped = self.prefix_cache.flush()
+            if dropped:
+                logger.info("prefix cache flushed (%s): %d entries dropped", why, dropped)
+
+    def _namespace(self, seq: Seq) -> tuple[str, str | None]:
+        return self.model.version, seq.spec.lora
+
+    def _cached_prefixes(self, seqs: list[Seq]) -> list[Layers | None] | None:
+        """The cached KV each new sequence starts with (never its last token: its logits are needed)."""
+        cache = self.prefix_cache
+        for seq in seqs:
+            self.prefilled_tokens += len(seq.tokens())
+        if cache is None:
+            return None
+        prefixes: list[Layers | None] = []
+        for seq in seqs:
+            tokens = seq.tokens()
+            hit = cache.match(self._namespace(seq), tokens, len(tokens) - 1)
+            seq.cache_generation = cache.generation
+            seq.prefix_source = None if hit is None else hit.entry
+            if hit is None or hit.length == 0:
+                prefixes.append(None)
+                continue
+            seq.cached_tokens += hit.length
+            self.cached_tokens += hit.length
+            prefixes.append(hit.layers())
+        return prefixes
+
+    def _keep_prefix(self, seq: Seq) -> None:
+        """Put a finished row's KV in the prefix cache (unless a flush came since its prefill)."""
+        cache = self.prefix_cache
+        tokens = seq.tokens()[:-1]
+        if cache is None or seq.cache_generation is None or not cache.accepts(len(tokens), seq.cache_generation):
+            return
+        layers = self._batch.row_kv(seq)
+        if layers is None or int(layers[0][0].shape[2]) != len(tokens):
+            logger.warning("sequence %s: its KV does not cover its tokens; not cached", seq.rid)
+            return
+        cache.insert(self._namespace(seq), tokens, layers, generation=seq.cache_generation, replaces=seq.prefix_source)
 
     def _count(self) -> None:
         self.counts = (len(self._running), len(self._waiting))
@@ -326,6 +398,7 @@ class Scheduler:
             "flushes": self.flushes,
             "weight_bytes": self.model.live_bytes(),
             "kv_cache_bytes": self._batch.nbytes(),
+            "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.snapshot(),
             "adapters": sorted(self.model.adapter_paths()),
             "unloading": sorted(self.unloading),
         }
@@ -417,7 +490,7 @@ class Scheduler:
                 rows = list(self._batch.rows)
                 self._advance(rows, self._batch.decode())
             if fresh:
-                logits = self._batch.prefill(fresh)
+                logits = self._batch.prefill(fresh, self._cached_prefixes(fresh))
                 for seq in fresh:
                     seq.in_batch = True
                 self._advance(fresh, logits)
@@ -443,6 +516,8 @@ class Scheduler:
                 seq.emit(version)
 
     def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:
+        if seq.in_batch and finish["type"] != "abort":
+            self._keep_prefix(seq)
         seq.finish = finish
         seq.in_batch = False
         self._by_rid.pop(seq.rid, None)

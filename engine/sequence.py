@@ -30,6 +30,7 @@ class Progress:
     weight_version: str
     e2e_latency: float
     retractions: int = 0
+    cached_tokens: int = 0
 
 
 Sink = Callable[[Progress], None]
@@ -48,6 +49,9 @@ class Seq:
     retractions: int = 0
     in_batch: bool = False  # the decode batch caches tokens()[:-1]; False means prefill next
     finish: FinishReason | None = None
+    cached_tokens: int = 0  # tokens its prefills took from the prefix cache
+    prefix_source: Any = None  # the prefix-cache entry its last prefill started from
+    cache_generation: int | None = None  # the prefix cache's generation at its last prefill
 
     @property
     def rid(self) -> str:
@@ -75,6 +79,7 @@ class Seq:
             weight_version=weight_version,
             e2e_latency=time.monotonic() - self.arrival_s,
             retractions=self.retractions,
+            cached_tokens=self.cached_tokens,
         )
         try:
             self.sink(progress)

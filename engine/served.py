@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from rollout_bus.engine.codec import Codec
 from rollout_bus.engine.errors import BadRequest
+from rollout_bus.engine.prefix_cache import Layers
 from rollout_bus.lm.files import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
@@ -79,8 +80,16 @@ class DecodeBatch(ABC):
         """One step for every row (in ``rows`` order): logits ``[len(rows), vocab]``."""
 
     @abstractmethod
-    def prefill(self, seqs: Sequence[Any]) -> Tensor:
-        """Run new sequences' whole token lists, add them to the batch; logits of their last tokens."""
+    def prefill(self, seqs: Sequence[Any], prefixes: Sequence[Layers | None] | None = None) -> Tensor:
+        """Run new sequences' token lists, add them to the batch; logits of their last tokens.
+
+        ``prefixes[i]``, when given, is the KV of the first tokens of ``seqs[i]`` (per layer, keys and
+        values ``[1, heads, n, head_dim]``, from the prefix cache): only the tokens after them are run."""
+
+    @abstractmethod
+    def row_kv(self, seq: Any) -> Layers | None:
+        """A row's cached keys and values (its ``tokens()[:-1]``), copied out of the batch, per layer
+        ``[1, heads, n, head_dim]``; None when ``seq`` is not a row."""
 
     @abstractmethod
     def keep(self, seqs: Sequence[Any]) -> None:
@@ -91,6 +100,13 @@ class DecodeBatch(ABC):
 
     @abstractmethod
     def nbytes(self) -> int: ...
+
+
+def prefix_lengths(prefixes: Sequence[Layers | None] | None, rows: int) -> list[int]:
+    """Tokens each row's prefix holds (0 without one)."""
+    if prefixes is None:
+        return [0] * rows
+    return [0 if p is None else int(p[0][0].shape[2]) for p in prefixes]
 
 
 class ServedModel(ABC):

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from rollout_bus.engine.codec import CharCodec
-from rollout_bus.engine.served import DecodeBatch, LoraLimits, ServedModel
+from rollout_bus.engine.prefix_cache import Layers
+from rollout_bus.engine.served import DecodeBatch, LoraLimits, ServedModel, prefix_lengths
 from rollout_bus.lm.files import config_file, tensor_shapes
 from rollout_bus.lm.kv_cache import KVCache
 from rollout_bus.lm.model import ModelConfig, load_config, load_model, pad_batch
@@ -64,13 +65,26 @@ class TinyBatch(DecodeBatch):
                                      cache=self.cache)
         return logits[:, -1]
 
-    def prefill(self, seqs: Sequence[Any]) -> Tensor:
-        ids, mask = pad_batch([s.tokens() for s in seqs], side="left", device=self.served.device)
+    def prefill(self, seqs: Sequence[Any], prefixes: Sequence[Layers | None] | None = None) -> Tensor:
+        cached = prefix_lengths(prefixes, len(seqs))
+        ids, mask = pad_batch([s.tokens()[n:] for s, n in zip(seqs, cached, strict=True)], side="left",
+                              device=self.served.device)
         cache = KVCache.empty()
+        if max(cached) > 0:  # the cached prefixes, each left-padded to the longest: the new tokens run after them
+            assert prefixes is not None
+            cache = KVCache.stack([_prefix_cache(p, prefixes, self.served.device) for p in prefixes])
         logits = self.served.forward(self._names(seqs), input_ids=ids, attention_mask=mask, cache=cache)
         self.cache = cache if self.cache is None else KVCache.stack([self.cache, cache])
         self.rows = [*self.rows, *seqs]
         return logits[:, -1]
+
+    def row_kv(self, seq: Any) -> Layers | None:
+        row = next((i for i, s in enumerate(self.rows) if s is seq), None)
+        if row is None or self.cache is None:
+            return None
+        slots = self.cache.mask[row].nonzero().squeeze(1)
+        return [(k[row:row + 1].index_select(2, slots), v[row:row + 1].index_select(2, slots))
+                for k, v in zip(self.cache.keys, self.cache.values, strict=True)]
 
     def keep(self, seqs: Sequence[Any]) -> None:
         wanted = {id(s) for s in seqs}
@@ -89,3 +103,13 @@ class TinyBatch(DecodeBatch):
 
     def nbytes(self) -> int:
         return 0 if self.cache is None else self.cache.nbytes()
+
+
+def _prefix_cache(prefix: Layers | None, prefixes: Sequence[Layers | None], device: torch.device) -> KVCache:
+    """One row's cached prefix as a ``KVCache`` (no tokens for a row without one)."""
+    if prefix is None:
+        some = next(p for p in prefixes if p is not None)
+        prefix = [(k.new_zeros(1, k.shape[1], 0, k.shape[3]), v.new_zeros(1, v.shape[1], 0, v.shape[3])) for k, v in some]
+    length = int(prefix[0][0].shape[2])
+    return KVCache(keys=[k.to(device) for k, _ in prefix], values=[v.to(device) for _, v in prefix],
+                   mask=torch.ones(1, length, dtype=torch.bool, device=device))

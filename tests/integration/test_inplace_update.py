@@ -1,10 +1,10 @@
 """An ``in_place`` weight update, sent by the controller's own updater to a real CPU engine, never leaves
 generation on KV the old weights computed.
 
-The CPU engine keeps no prefix cache across requests (each sequence has its own KV; ``/flush_cache``
-only checks that it could flush), so a new request that shares a prefix with an earlier one is always
-computed afresh: that is checked, and what can go stale here is checked too: the KV of a request held
-by the pause. Its tokens after the update must have exactly the new weights' log-probs over everything
+The CPU engine's prefix cache is dropped by every weight update, so a new request that shares a prefix
+with an earlier one is computed afresh (``cached_tokens`` 0: checked here, on a prompt long enough to be
+cached; reuse across turns and updates is ``test_engine_prefix_cache``), and what can go stale here is
+checked too: the KV of a request held by the pause. Its tokens after the update must have exactly the new weights' log-probs over everything
 before them, as SGLang's would once the held requests are retracted and its cache flushed.
 """
 
@@ -17,19 +17,22 @@ from pathlib import Path
 
 import fakeredis
 import pytest
+import torch
 
 from rollout_bus.controller.config import ControllerConfig
 from rollout_bus.controller.service import InferenceController
 from rollout_bus.controller.versions import Target
 from rollout_bus.engine.http_client import close_shared_session
 from rollout_bus.events.registry import EngineState
-from rollout_bus.lm.model import load_model
+from rollout_bus.lm.model import load_model, token_logprobs
+from rollout_bus.lm.tokenizer import encode
 from tests.engine_proc import EngineProcess, make_weights_dir
 from tests.integration.test_engine_control import generate, logprobs_under, wait_running
 
 pytestmark = pytest.mark.integration
 
 LONG = 24
+CACHED = encode("12+30=42. 7+8=15. 9+9=", add_bos=True)  # longer than a prefix-cache block
 
 
 @pytest.fixture()
@@ -60,7 +63,8 @@ def test_after_an_in_place_update_held_and_new_requests_get_exactly_the_new_weig
         finally:
             await close_shared_session()
 
-    before = generate(engine, 4, return_logprob=True)  # an earlier request with the same prompt
+    before = generate(engine, 4, return_logprob=True, input_ids=CACHED)  # an earlier request with the same prompt
+    assert generate(engine, 4, input_ids=CACHED)["meta_info"]["cached_tokens"] == len(CACHED) - 1  # and cached
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(generate, engine, LONG, return_logprob=True)
         wait_running(engine)
@@ -69,7 +73,7 @@ def test_after_an_in_place_update_held_and_new_requests_get_exactly_the_new_weig
         finally:
             ctl.core.bus.close()
         out = held.result(timeout=60)
-    after = generate(engine, 4, return_logprob=True)
+    after = generate(engine, 4, return_logprob=True, input_ids=CACHED)
 
     old, new = load_model(weights["old"]).eval(), load_model(weights["new"]).eval()
     got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
@@ -80,6 +84,8 @@ def test_after_an_in_place_update_held_and_new_requests_get_exactly_the_new_weig
     assert got[switch:] == pytest.approx(under_new[switch:], abs=1e-4)  # no KV of the old weights used
     # a request sharing the earlier one's prefix: the new weights' log-probs, under the new version
     assert after["meta_info"]["weight_version"] == "1" and before["meta_info"]["weight_version"] == "0"
-    assert [e[0] for e in after["meta_info"]["output_token_logprobs"]] == pytest.approx(
-        logprobs_under(new, after["output_ids"]), abs=1e-4)
+    assert after["meta_info"]["cached_tokens"] == 0
+    with torch.no_grad():
+        expected = token_logprobs(new, torch.tensor([CACHED + after["output_ids"]]))[0, len(CACHED) - 1:].tolist()
+    assert [e[0] for e in after["meta_info"]["output_token_logprobs"]] == pytest.approx(expected, abs=1e-4)
     assert engine.state()["flushes"] >= 1
