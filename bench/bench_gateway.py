@@ -192,16 +192,36 @@ def start_stub(reply_ids: list[int], log: Path) -> tuple[subprocess.Popen[bytes]
 
 
 def start_gateway(model: Path, redis_url: str, keys: Keys, log: Path,
-                  profile: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+                  source_tree: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m rollout_bus gateway`` as a process of its own; ``source_tree``: from that package tree
+    (``source_tree/rollout_bus``) instead of this checkout's."""
     port = free_port()
-    prefix = [sys.executable] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
-    cmd = [*prefix, "-m", "rollout_bus", "gateway", "--model-path", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "rollout_bus", "gateway", "--model-path", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--redis-url", redis_url, "--namespace", keys.namespace, "--log-level", "WARNING"]
+    environ = env()
+    if source_tree is not None:
+        environ["PYTHONPATH"] = str(source_tree)
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=source_tree or ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", proc=proc)
     return proc, url
+
+
+def package_tree(source: Path, tree: Path) -> Path:
+    """The ``rollout_bus`` package of a source checkout at ``source`` (its top-level folders are the
+    subpackages, pyproject.toml's package-dir), laid out as links under ``tree``."""
+    import tomllib
+
+    mapping = tomllib.loads((source / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    (tree / "rollout_bus").mkdir(parents=True)
+    for name, folder in mapping.items():
+        if name == "rollout_bus":
+            for item in (source / folder).iterdir():
+                (tree / "rollout_bus" / item.name).symlink_to(item.resolve())
+        else:
+            (tree / "rollout_bus" / name.split(".", 1)[1]).symlink_to((source / folder).resolve())
+    return tree
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -256,15 +276,18 @@ class Row:
     client: str  # aiohttp | openai
     temperature: float
     sessions: int
+    gw_url: str
+    gw_pid: int
     gw_ms: list[list[float]] = field(default_factory=list)
     direct_ms: list[list[float]] = field(default_factory=list)
     cpu_ms_per_turn: list[float] = field(default_factory=list)
 
 
-async def overhead_rep(row: Row, gw_url: str, gw_pid: int, turns: int, max_tokens: int) -> None:
+async def overhead_rep(row: Row, turns: int, max_tokens: int) -> None:
     import httpx
     import openai
 
+    gw_url, gw_pid = row.gw_url, row.gw_pid
     gw_ms: list[float] = []
     direct_ms: list[float] = []
     nonce = uuid.uuid4().hex[:8]
@@ -340,10 +363,10 @@ def profile_turns(args: argparse.Namespace, redis_url: str, keys: Keys, model: P
 
     with GatewayThread(redis_url, keys, model) as gwt:
         pid = os.getpid()
-        asyncio.run(overhead_rep(Row("warm", "stubbed", stub_url, "aiohttp", 1.0, 2), gwt.url, pid, args.turns,
+        asyncio.run(overhead_rep(Row("warm", "stubbed", stub_url, "aiohttp", 1.0, 2, gwt.url, pid), args.turns,
                                  args.max_tokens))
         gwt.call(switch(True))
-        asyncio.run(overhead_rep(Row("profile", "stubbed", stub_url, "aiohttp", 1.0, args.sessions), gwt.url, pid,
+        asyncio.run(overhead_rep(Row("profile", "stubbed", stub_url, "aiohttp", 1.0, args.sessions, gwt.url, pid),
                                  args.turns, args.max_tokens))
         gwt.call(switch(False))
     return pstats.Stats(prof)
@@ -374,6 +397,47 @@ def print_profile(stats: pstats.Stats, turns: int, top: int) -> None:
         print(f"{tt * 1000 / turns:11.3f} {ct * 1000 / turns:11.3f} {nc / turns:10.1f}  {where}")
 
 
+def round_trips(redis_url: str, n: int, reps: int) -> dict[str, list[float]]:
+    """A turn's Redis work in the gateway's process: begin, commit and the event's publish as three round
+    trips (as before) against the event riding in the commit's script (two), alternated; ms per turn."""
+    from rollout_bus.events.publish import Publisher
+    from rollout_bus.events.schema import Producer, SessionTurn
+    from rollout_bus.events.sessions import SessionStore, new_state
+
+    keys = Keys(f"gwr{uuid.uuid4().hex[:8]}")
+    client = connect(redis_url)
+    store, publisher = SessionStore(client, keys), Publisher(client, keys, Producer("gateway", "bench"))
+    state = new_state("rt", "default", max_context=4096)
+    store.create(state)
+
+    def event() -> SessionTurn:
+        return SessionTurn(producer=publisher.producer, policy="default", session_id="rt", turn=0, engine_id="e",
+                           new_tokens=1, output_tokens=1, cached_tokens=0, oldest_version=0, newest_version=0,
+                           finish="stop", gen_ms=1.0, env_ms=0.0)
+
+    def three() -> None:
+        held = store.begin("rt", uuid.uuid4().hex)
+        store.commit(held, held.state)
+        publisher.publish(keys.session_stream, event())
+
+    def two() -> None:
+        held = store.begin("rt", uuid.uuid4().hex)
+        store.commit(held, held.state, publish=publisher.prepared(keys.session_stream, event()))
+
+    out: dict[str, list[float]] = {"three": [], "two": []}
+    try:
+        for _ in range(reps):
+            for name, fn in (("three", three), ("two", two)):
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                out[name].append((time.perf_counter() - t0) * 1000 / n)
+    finally:
+        client.close()
+    return out
+
+
 def part_overhead(args: argparse.Namespace, server: RedisServer, tmp: Path) -> dict[str, Any]:
     from tests.engine_proc import EngineProcess
     from tests.support.models import llama_dir
@@ -384,22 +448,31 @@ def part_overhead(args: argparse.Namespace, server: RedisServer, tmp: Path) -> d
     engine = EngineProcess(model, log_path=tmp / "engine.log")
     register(server.url, keys, {"stub": (stub_url, "stubbed"), "cpu": (engine.url, "real")})
     gw, gw_url = start_gateway(model, server.url, keys, tmp / "gateway.log")
-    rows = [Row("stub engine, aiohttp client", "stubbed", stub_url, "aiohttp", 1.0, args.sessions),
-            Row("stub engine, openai client", "stubbed", stub_url, "openai", 1.0, args.sessions),
-            Row("CPU engine (random Llama), aiohttp", "real", engine.url, "aiohttp", 0.0, args.engine_sessions)]
+    gateways = [gw]
+    rows = [Row("stub engine, aiohttp client", "stubbed", stub_url, "aiohttp", 1.0, args.sessions, gw_url, gw.pid)]
+    if args.compare_source:
+        tree = package_tree(Path(args.compare_source), tmp / "compare-tree")
+        old, old_url = start_gateway(model, server.url, keys, tmp / "gateway-compare.log", source_tree=tree)
+        gateways.append(old)
+        rows.append(Row(f"the same, {Path(args.compare_source).name}'s gateway", "stubbed", stub_url, "aiohttp", 1.0,
+                        args.sessions, old_url, old.pid))
+    rows += [Row("stub engine, openai client", "stubbed", stub_url, "openai", 1.0, args.sessions, gw_url, gw.pid),
+             Row("CPU engine (random Llama), aiohttp", "real", engine.url, "aiohttp", 0.0, args.engine_sessions, gw_url,
+                 gw.pid)]
     try:
         for row in rows:  # warm-up: templates compiled, connections open
-            warm = Row(row.name, row.policy, row.engine_url, row.client, row.temperature, 2)
-            asyncio.run(overhead_rep(warm, gw_url, gw.pid, args.turns, args.max_tokens))
+            warm = Row(row.name, row.policy, row.engine_url, row.client, row.temperature, 2, row.gw_url, row.gw_pid)
+            asyncio.run(overhead_rep(warm, args.turns, args.max_tokens))
         watch = Watch()
         print(f"\n== 1. gateway overhead per turn: {args.turns}-turn sessions, {args.max_tokens} output tokens, "
               f"{args.reps} repeats; load average {watch.load_before:.2f} before", flush=True)
-        for _ in range(args.reps):
-            for row in rows:
-                asyncio.run(overhead_rep(row, gw_url, gw.pid, args.turns, args.max_tokens))
+        for rep in range(args.reps):
+            for row in rows[rep % len(rows):] + rows[:rep % len(rows)]:  # no fixed order
+                asyncio.run(overhead_rep(row, args.turns, args.max_tokens))
         watch.stop()
     finally:
-        stop(gw)
+        for proc in gateways:
+            stop(proc)
     prof = None
     if args.profile:
         prof = profile_turns(args, server.url, keys, model, stub_url)
@@ -423,6 +496,11 @@ def part_overhead(args: argparse.Namespace, server: RedisServer, tmp: Path) -> d
         by_turn = [statistics.median([d[i] for d in diffs for i in range(t, len(d), args.turns)])
                    for t in range(args.turns)]
         print(f"{'':38} diff p50 by turn index: " + " ".join(f"{x:.2f}" for x in by_turn))
+    trips = round_trips(server.url, 300 if args.quick else 1000, args.reps)
+    print(f"a turn's Redis work, ms per turn, median of {args.reps} (min-max), alternated: begin + commit + publish "
+          f"(3 round trips) {spread(trips['three'])}; begin + commit with the event in its script (2) "
+          f"{spread(trips['two'])}")
+    out["trips"] = trips
     print(watch.line())
     main = out["rows"][rows[0].name]["p50"]
     if watch.busy:
@@ -677,6 +755,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=18, help="profile entries to print")
     p.add_argument("--sat-s", type=float, default=None, help="seconds per saturation run (default 3, quick 1.5)")
     p.add_argument("--max-conc", type=int, default=128)
+    p.add_argument("--compare-source", default=None, metavar="DIR",
+                   help="another checkout's source (e.g. `git archive BASE | tar -x -C DIR`): its gateway is measured "
+                        "side by side with this one's in part 1 (stub engine, aiohttp client)")
     args = p.parse_args(argv)
     args.reps = args.reps or (2 if args.quick else 3)
     args.sessions = args.sessions or (8 if args.quick else 25)

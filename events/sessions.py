@@ -14,7 +14,8 @@ restart loses nothing:
 
 A call ``begin``s (takes the lock and reads the state in one script), works, then ``commit``s (writes the
 new state only if it still holds the lock and the revision did not move, and frees the lock, in one
-script). The state read back is untrusted: ``check_state`` validates every field a gateway turns into a
+script; a gateway's turn appends its ``SessionTurn`` event in that same script, only if the commit goes
+through: two round trips a turn). The state read back is untrusted: ``check_state`` validates every field a gateway turns into a
 token, a key or a number before it is used.
 """
 
