@@ -737,6 +737,11 @@ def part_saturation(args: argparse.Namespace, server: RedisServer, tmp: Path, mo
           f"process at {gw_cpu * 100:.0f}% of a core "
           + ("(CPU-bound: one core is its ceiling)" if gw_cpu > 0.85 else
              "(below one core: the limit is elsewhere, e.g. the machine's cores shared with the client)"))
+    per_session = [r["cpu"]["gateway"] / r["sessions_s"] * 1000 for _, rs in levels for r in rs if r["sessions_s"]]
+    ms = statistics.median(per_session)
+    print(f"the gateway's CPU per session (open, 2 turns, close): {spread(per_session, '{:.2f}')} ms over every run; "
+          f"a gateway process with a core of its own would top out near {1000 / ms:.0f} sessions/s "
+          f"({2000 / ms:.0f} turns/s)")
     print(watch.line())
     return {"levels": levels, "watch": watch}
 
