@@ -72,7 +72,7 @@ its XADD succeeded: a publish that fails or is deduplicated takes no number."""
 # KEYS[1] stream, KEYS[2] producer sequences, KEYS[3] dedupe key (absent for none); ARGV[1] dedupe ttl s,
 # ARGV[2] maxlen (0 = none), ARGV[3] seq slot in ARGV[6] (0 = none), ARGV[4] producer, ARGV[5..] field,
 # value pairs. Returns the id of the entry, the existing one on a repeat.
-_PUBLISH = SEQ_LUA + """
+PUBLISH_BODY = """
 if KEYS[3] then
   local prev = redis.call('GET', KEYS[3])
   if prev then return prev end
@@ -91,6 +91,9 @@ if KEYS[3] then
 end
 return id
 """
+"""The publish script's body (``SEQ_LUA`` before it), for a script that appends an event in the same step as
+its own write (``Publisher.prepared`` gives its keys and arguments)."""
+_PUBLISH = SEQ_LUA + PUBLISH_BODY
 
 _Call = tuple[Sequence[Any], Sequence[Any]]  # (script keys, script args) of one EVALSHA
 
@@ -176,6 +179,13 @@ class Publisher:
             return reply
         reply = self.guard.call(send)
         return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+    def prepared(self, stream: str, event: Event) -> tuple[list[Any], list[Any]]:
+        """The keys and arguments of ``PUBLISH_BODY`` that append ``event`` as ``publish`` does (deduplicated
+        by its event id), for a script that appends it in one step with a write of its own."""
+        raw = encode_bytes(event)
+        return ([stream, self.keys.producer_seqs, self._dedupe_key(stream, event.event_id)],
+                [self.retry_ttl_s, 0, seq_slot(raw), self._producer_name(event.producer), FIELD, raw])
 
     def publish_many(self, stream: str, events: Iterable[Event], *,
                      idempotency_keys: Sequence[str | None] | None = None, maxlen: int = 0,

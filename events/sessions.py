@@ -14,7 +14,8 @@ restart loses nothing:
 
 A call ``begin``s (takes the lock and reads the state in one script), works, then ``commit``s (writes the
 new state only if it still holds the lock and the revision did not move, and frees the lock, in one
-script). The state read back is untrusted: ``check_state`` validates every field a gateway turns into a
+script; a gateway's turn appends its ``SessionTurn`` event in that same script, only if the commit goes
+through: two round trips a turn). The state read back is untrusted: ``check_state`` validates every field a gateway turns into a
 token, a key or a number before it is used.
 """
 
@@ -31,6 +32,7 @@ import redis
 
 from rollout_bus.events.errors import Failure
 from rollout_bus.events.names import Keys, check_name, name_problem
+from rollout_bus.events.publish import PUBLISH_BODY, SEQ_LUA
 
 STATE_VERSION = 1
 OPEN = "open"
@@ -66,6 +68,19 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 if ARGV[5] == '1' then redis.call('DEL', KEYS[2]) else redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
 return 'ok'
 """
+
+_COMMIT_PUBLISH = SEQ_LUA + f"""
+local function commit(KEYS, ARGV)
+{_COMMIT}
+end
+local function publish(KEYS, ARGV)
+{PUBLISH_BODY}
+end
+local done = commit({{KEYS[1], KEYS[2]}}, {{unpack(ARGV, 1, 6)}})
+if done ~= 'ok' then return {{done}} end
+return {{done, publish({{unpack(KEYS, 3)}}, {{unpack(ARGV, 7)}})}}
+"""
+"""The commit, then, only if it went through, an event's publish (``events.publish``): one round trip."""
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -162,11 +177,10 @@ def check_state(sid: str, state: Any) -> dict[str, Any]:
         if not isinstance(turn, dict):
             raise bad(f"turn {i} is not a map")
         for key in _INT_LISTS:
-            ids = turn.get(key)
-            if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            if not _is_id_list(turn.get(key)):
                 raise bad(f"turn {i}: {key} must be a list of non-negative integers")
         logprobs = turn.get("logprobs")
-        if not isinstance(logprobs, list) or not all(isinstance(x, float | int) for x in logprobs):
+        if not isinstance(logprobs, list) or not set(map(type, logprobs)) <= _NUMBER_TYPES:
             raise bad(f"turn {i}: logprobs must be a list of numbers")
         n_out = len(turn["output_ids"])
         if len(logprobs) != n_out or len(turn["versions"]) != n_out:
@@ -185,6 +199,16 @@ def check_state(sid: str, state: Any) -> dict[str, Any]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_INT_TYPES = frozenset({int})
+_NUMBER_TYPES = frozenset({int, float})
+
+
+def _is_id_list(ids: Any) -> bool:
+    """A list of non-negative ints (no bools). Checked in C (``map``, ``set``, ``min``): a session's every
+    token is validated on every call, so this runs over the whole journal each turn."""
+    return isinstance(ids, list) and set(map(type, ids)) <= _INT_TYPES and (not ids or min(ids) >= 0)
 
 
 def _now_ms() -> int:
@@ -213,6 +237,7 @@ class SessionStore:
         """How long a call's lock lives if its gateway dies without freeing it (renewed by each commit)."""
         self._begin = client.register_script(_BEGIN)
         self._commit = client.register_script(_COMMIT)
+        self._commit_publish = client.register_script(_COMMIT_PUBLISH)
         self._release = client.register_script(_RELEASE)
 
     # --- whole sessions -----------------------------------------------------------------------
@@ -260,12 +285,17 @@ class SessionStore:
             raise
         return Held(sid, token, rev, state)
 
-    def commit(self, held: Held, state: Mapping[str, Any], *, release: bool = True) -> None:
+    def commit(self, held: Held, state: Mapping[str, Any], *, release: bool = True,
+               publish: tuple[list[Any], list[Any]] | None = None) -> None:
         """Write ``state`` if ``held`` still holds the lock and nobody wrote since; frees the lock (unless
-        ``release`` is False: a call that goes on, as a stream between its engine calls)."""
-        reply = self._commit(keys=[self.keys.session(held.sid), self.keys.session_busy(held.sid)],
-                             args=[held.token, held.rev, _pack(state), self.ttl_s, "1" if release else "0",
-                                   self.lock_ms])
+        ``release`` is False: a call that goes on, as a stream between its engine calls). ``publish``: an
+        event (``Publisher.prepared``) appended in the same round trip, only if the commit went through."""
+        keys = [self.keys.session(held.sid), self.keys.session_busy(held.sid)]
+        args: list[Any] = [held.token, held.rev, _pack(state), self.ttl_s, "1" if release else "0", self.lock_ms]
+        if publish is None:
+            reply = self._commit(keys=keys, args=args)
+        else:
+            reply = self._commit_publish(keys=keys + publish[0], args=args + publish[1])[0]
         tag = reply.decode() if isinstance(reply, bytes) else str(reply)
         if tag == "lock":
             raise SessionConflict(held.sid, "its call lock expired or was taken over")

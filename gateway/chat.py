@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,12 +217,25 @@ def suffix(fmt: ChatFormat, history: Sequence[Message], new: Sequence[Message], 
 
 
 def turn_tail(fmt: ChatFormat, assistant: Message, tools: list[dict[str, Any]] | None) -> str:
-    """What the template writes after an assistant message's content (its end-of-turn and separator)."""
-    marker = "\u2063TAIL\u2063" if fmt.name != "char" else "qqzzqq"
-    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
-    text = fmt.render(probe, tools=tools, add_generation_prompt=False)
-    at = text.rfind(marker)
-    return text[at + len(marker):] if at >= 0 else ""
+    """What the template writes after an assistant message's content (its end-of-turn and separator).
+
+    Rendered once per format and tool list (a probe conversation, whatever ``assistant`` says), then kept."""
+    tools_json = json.dumps(tools, sort_keys=True) if tools else ""
+    known = _TAILS.setdefault(fmt, {})
+    tail = known.get(tools_json)
+    if tail is None:
+        marker = "\u2063TAIL\u2063" if fmt.name != "char" else "qqzzqq"
+        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
+        text = fmt.render(probe, tools=tools, add_generation_prompt=False)
+        at = text.rfind(marker)
+        tail = text[at + len(marker):] if at >= 0 else ""
+        if len(known) < 256:
+            known[tools_json] = tail
+    return tail
+
+
+_TAILS: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+"""``turn_tail`` per format (while it lives) and tool list."""
 
 
 class HFChat:

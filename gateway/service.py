@@ -2,7 +2,8 @@
 
 Every call reads the session from the bus under its lock, works, and commits the new state in one
 script (``events.sessions``); the gateway keeps no session in memory, so any instance serves any
-session. Each turn publishes ``SessionTurn`` and each ending ``SessionClosed`` on the sessions stream.
+session. Each turn publishes ``SessionTurn`` (in the same script as its commit: one round trip) and each
+ending ``SessionClosed`` on the sessions stream.
 """
 
 from __future__ import annotations
@@ -244,10 +245,9 @@ class Gateway:
             if plan.journal is not None:
                 new_state_ = replay_journal(state, plan)
                 new_state_["last_ms"] = _now_ms()
-                self.store.commit(held, new_state_)
+                self.store.commit(held, new_state_, publish=self._turn_event(new_state_, plan.journal, plan.turn, True))
                 committed = True
                 self.metrics.turns.labels("journal").inc()
-                self._publish_turn(new_state_, plan.journal, plan.turn, True)
                 if on_tokens is not None:
                     await on_tokens(list(plan.journal["output_ids"]), list(plan.journal["logprobs"]))
                 return TurnReply(new_state_, plan.journal, plan, True, _usage(plan, plan.journal))
@@ -275,7 +275,7 @@ class Gateway:
             new_state_["engine_calls"] = state["engine_calls"] + out.calls
             new_state_["engine_tokens"] = state["engine_tokens"] + len(plan.context) + len(out.output_ids)
             new_state_["last_ms"] = _now_ms()
-            self.store.commit(held, new_state_)
+            self.store.commit(held, new_state_, publish=self._turn_event(new_state_, turn, plan.turn, False))
             committed = True
             self.metrics.turns.labels("engine").inc()
             self.metrics.generation_s.observe(gen_s)
@@ -283,7 +283,6 @@ class Gateway:
                 self.metrics.environment_s.observe(env_ms / 1000)
             self.metrics.new_tokens.observe(len(plan.new_ids))
             self.metrics.output_tokens.observe(len(out.output_ids))
-            self._publish_turn(new_state_, turn, plan.turn, False)
             self.metrics.overhead_s.observe(max((_now_ms() - arrived_ms) / 1000 - gen_s, 0.0))
             return TurnReply(new_state_, turn, plan, False, _usage(plan, turn))
         finally:
@@ -307,9 +306,11 @@ class Gateway:
             "cached_tokens": out.cached_tokens, "ts_ms": _now_ms(), "calls": out.calls,
         }
 
-    def _publish_turn(self, state: Mapping[str, Any], turn: Mapping[str, Any], index: int, journal: bool) -> None:
+    def _turn_event(self, state: Mapping[str, Any], turn: Mapping[str, Any], index: int,
+                    journal: bool) -> tuple[list[Any], list[Any]]:
+        """The turn's ``SessionTurn``, prepared to go out with the turn's commit (one round trip)."""
         versions = [v for v in turn["versions"] if v >= 0]
-        self.publisher.publish(self.keys.session_stream, SessionTurn(
+        return self.publisher.prepared(self.keys.session_stream, SessionTurn(
             producer=self.publisher.producer, policy=state["policy"], session_id=state["id"], turn=index,
             engine_id=turn["engine_id"], new_tokens=len(turn["new_ids"]), output_tokens=len(turn["output_ids"]),
             cached_tokens=int(turn.get("cached_tokens", 0)), oldest_version=min(versions, default=-1),

@@ -470,3 +470,44 @@ def test_gateway_metrics_count_turns(setup: tuple[GatewayThread, Keys]) -> None:
     assert 'rollout_bus_gateway_turns_total{source="engine"} 2.0' in text
     assert "rollout_bus_gateway_environment_seconds_count 1.0" in text
     _ = time
+
+
+def test_a_turn_event_goes_out_only_with_its_commit(server: RedisServer) -> None:
+    """The turn's event rides in the commit's script: a commit refused (its lock was broken by a takeover)
+    appends nothing, one that goes through appends the event with its producer's sequence number."""
+    from rollout_bus.events.publish import Publisher
+    from rollout_bus.events.schema import Producer
+    from rollout_bus.events.sessions import SessionConflict, new_state
+
+    keys = Keys(f"t{uuid.uuid4().hex[:10]}")
+    client = connect(server.url)
+    try:
+        store, publisher = SessionStore(client, keys), Publisher(client, keys, Producer("gateway", "t"))
+
+        def turn_event(n: int) -> SessionTurn:
+            return SessionTurn(producer=publisher.producer, policy="default", session_id="c1", turn=n,
+                               engine_id="e0", new_tokens=1, output_tokens=1, cached_tokens=0, oldest_version=0,
+                               newest_version=0, finish="stop", gen_ms=1.0, env_ms=0.0)
+
+        assert store.create(new_state("c1", "default", max_context=64))
+        held = store.begin("c1", "dead-attempt")
+        store.unlock("c1")  # a retried job took the session over
+        assert client.exists(keys.session_busy("c1")) == 0
+        with pytest.raises(SessionConflict):
+            store.commit(held, held.state, publish=publisher.prepared(keys.session_stream, turn_event(0)))
+        assert client.xlen(keys.session_stream) == 0
+        held = store.begin("c1", "new-attempt")
+        first = turn_event(1)
+        store.commit(held, {**held.state, "last_ms": 1}, publish=publisher.prepared(keys.session_stream, first))
+        published = events_of(client, keys)
+        assert [(e.event_id, e.turn, e.seq) for e in published] == [(first.event_id, 1, 1)]
+        assert store.get("c1")["last_ms"] == 1  # type: ignore[index]
+        assert client.exists(keys.session_busy("c1")) == 0  # the commit freed the lock
+        publisher.publish(keys.session_stream, turn_event(2))  # the producer's numbering goes on from there
+        assert [e.seq for e in events_of(client, keys)] == [1, 2]
+    finally:
+        client.close()
+
+
+def events_of(client: object, keys: Keys) -> list:
+    return [decode(fields) for _, fields in client.xrange(keys.session_stream)]  # type: ignore[attr-defined]
