@@ -136,7 +136,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         runlog = _follow(config, client, keys, procs, trainers, started, epoch)
         if config.model is not None and config.eval_groups > 0:  # each policy's last version
             for p in policies:
-                evals[p]["after"] = _evaluate(config, client, keys, procs, p, runlog.policy(p).steps, task, "after",
+                evals[p]["after"] = _evaluate(config, client, keys, procs, p, runlog.policy(p).version, task, "after",
                                               namespace)
         for p in policies:
             runlog.policy(p).evals = evals[p]

@@ -52,6 +52,18 @@ class PolicySummary:
     """Per step, the share in the requested form."""
     evals: dict[str, dict[str, float]] = field(default_factory=dict)
     """Held-out eval metrics by phase (``before``: the initial weights, ``after``: the last version)."""
+    version: int = -1
+    """The newest weight version a step announced: a step without signal publishes none, so it may be
+    lower than ``steps``."""
+    skipped_no_signal: int = 0
+    """Steps whose batch had no signal (every advantage 0): no optimiser step, no new version."""
+    groups_filtered: list[float] = field(default_factory=list)
+    """Per step, the prompt groups the executors' dynamic filter left out of the batch (all rewards equal);
+    empty when no filter ran."""
+    eval_points: list[dict[str, Any]] = field(default_factory=list)
+    """Held-out evals during the run (``--eval-every``): step, version and metrics with intervals."""
+    eval_difference: dict[str, Any] = field(default_factory=dict)
+    """After minus before on the same held-out problems, with its paired interval (``launch.evals``)."""
 
     def reward_before(self, k: int = 2) -> float:
         """Mean reward of the first ``k`` steps (the first batch comes from the initial weights)."""
@@ -78,8 +90,13 @@ class PolicySummary:
                 "samples_per_s": self.samples_per_s(), "staleness_hist": dict(sorted(self.staleness_hist.items())),
                 "batches_trained": self.batches_trained, "batches_unused": self.batches_unused,
                 "stale_groups": self.stale_groups, "rewards": self.rewards,
+                "version": self.version, "skipped_no_signal": self.skipped_no_signal,
+                **({"groups_filtered": self.groups_filtered,
+                    "groups_filtered_total": sum(self.groups_filtered)} if self.groups_filtered else {}),
                 **({"correct": self.correct, "formatted": self.formatted} if self.correct else {}),
-                **({"eval": self.evals} if self.evals else {})}
+                **({"eval": self.evals} if self.evals else {}),
+                **({"eval_during": self.eval_points} if self.eval_points else {}),
+                **({"eval_difference": self.eval_difference} if self.eval_difference else {})}
 
 
 class RunLog:
@@ -104,6 +121,11 @@ class RunLog:
             self._seen_steps.add(key)
             p = self.policy(event.policy)
             p.steps = max(p.steps, event.step)
+            p.version = max(p.version, event.weight_version)
+            if event.metrics.get("skipped_no_signal"):
+                p.skipped_no_signal += 1
+            if "groups_filtered" in event.metrics:
+                p.groups_filtered.append(float(event.metrics["groups_filtered"]))
             p.rewards.append(float(event.metrics.get("reward_mean", float("nan"))))
             p.step_ts_ms.append(event.ts_ms)
             p.samples.append(float(event.metrics.get("n_samples", 0.0)))
@@ -197,8 +219,12 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
             f"  speed       {p.steps_per_s():.2f} steps/s, {_figure(p.samples_per_s())} samples/s (steady state)",
             f"  staleness   samples by versions behind: {hist}",
             f"  batches     {p.batches_trained} trained, {p.batches_unused} not trained; "
-            f"{p.stale_groups:.0f} stale groups left out",
+            f"{p.stale_groups:.0f} stale groups left out; {p.skipped_no_signal} step(s) without signal (no "
+            f"optimiser step, no new version: last version v{p.version})",
         ]
+        if p.groups_filtered:
+            lines.append(f"  filter      {sum(p.groups_filtered):.0f} prompt groups left out (all rewards equal), "
+                         f"{_mean(p.groups_filtered):.1f} per step")
         if p.correct:
             k = min(5, len(p.correct))
             lines.append(f"  answers     correct {_mean(p.correct[:2]):.3f} -> {_mean(p.correct[-k:]):.3f}, "
