@@ -139,9 +139,14 @@ class Keys:
         """What the janitor removed: streams trimmed, payloads swept, groups expired."""
         return self._k("stream", "housekeeping")
 
+    @property
+    def eval_stream(self) -> str:
+        """Held-out evaluations of a policy's weights (``EvalCompleted``, from the executors)."""
+        return self._k("stream", "evals")
+
     def event_streams(self) -> list[str]:
         return [self.engine_stream, self.weight_stream, self.command_stream, self.rollout_stream,
-                self.trainer_stream, self.housekeeping_stream]
+                self.trainer_stream, self.housekeeping_stream, self.eval_stream]
 
     # --- keys ------------------------------------------------------------------------
     def dedupe(self, stream: str, key: str) -> str:
@@ -277,7 +282,7 @@ def _fixed_streams(keys: Keys) -> dict[str, str]:
     return {
         "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
         "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
-        "housekeeping": keys.housekeeping_stream,
+        "housekeeping": keys.housekeeping_stream, "evals": keys.eval_stream,
     }
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from rollout_bus.events.rollouts import RolloutRequest
 from rollout_bus.events.train_data import TrainData
-from rollout_bus.executor.convert import pass_at_n, sample_metrics, to_train_data
+from rollout_bus.executor.convert import is_correct, pass_at_n, sample_metrics, to_train_data
 from rollout_bus.executor.cursor import CursorStore, Item
 from rollout_bus.executor.engines import EngineCaller, EngineTime
 from rollout_bus.executor.errors import (
@@ -36,6 +36,7 @@ from rollout_bus.executor.errors import (
 from rollout_bus.executor.generate import GenerateContext
 from rollout_bus.executor.plugins import DataSource, FilterResult, Plugins
 from rollout_bus.executor.sample import Sample
+from rollout_bus.tasks.stats import wilson
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class RolloutOutcome:
     used_indices: list[int]
     """Prompt indices consumed (kept or filtered out); the rest of the reservations go back."""
     metrics: dict[str, float] = field(default_factory=dict)
+    problems: list[list[int]] = field(default_factory=list)
+    """Eval requests: ``[index, right answers, samples]`` per problem (``convert.is_correct``)."""
 
 
 @dataclass
@@ -145,10 +148,14 @@ class RolloutRunner:
         groups = self._groups(items, ctx.request)
         async with aclosing(self._completed(ctx, groups, apply_filter=False)) as finished:
             done = [g async for g in finished]
+        done.sort(key=lambda g: int(g.item["index"]))
         samples = [s for g in done for s in g.samples]
         metrics = sample_metrics(samples)
-        metrics["pass_at_n"] = pass_at_n([g.samples for g in done])
-        return RolloutOutcome(None, [], metrics)
+        problems = [[int(g.item["index"]), sum(is_correct(s) for s in g.samples), len(g.samples)] for g in done]
+        metrics.update(wilson(sum(p[1] for p in problems), len(samples)).to_dict("accuracy"))
+        solved = pass_at_n([g.samples for g in done])
+        metrics.update(wilson(round(solved * len(done)), len(done)).to_dict("pass_at_n"))
+        return RolloutOutcome(None, [], metrics, problems)
 
     # --- groups -----------------------------------------------------------------------------
     async def _completed(self, ctx: GenerateContext, groups: Sequence[_Group], *,

@@ -38,14 +38,24 @@ from rollout_bus.launch.config import (
     DEFAULT_LORA,
     LOG_BACKENDS,
     MODEL_DEFAULTS,
+    MODEL_EVAL_GROUPS,
     MODEL_FULL_LR,
     MODEL_TASK,
     MODES,
     STALE_POLICIES,
+    TINY_EVAL_GROUPS,
     RunConfig,
     RunFailed,
+    parse_eval_every,
 )
 from rollout_bus.trainer.config import LogConfig, log_problems, parse_log_to
+
+
+def _eval_every(value: str) -> int:
+    try:
+        return parse_eval_every(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,9 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     m.add_argument("--task", default="{}", help="JSON options of tasks.math_words.MathWordsSource over the defaults "
                                                 f"{json.dumps(MODEL_TASK)}")
-    m.add_argument("--eval-groups", type=int, default=d.eval_groups,
-                   help="held-out problems scored before and after training (0: none)")
-    m.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per held-out problem")
+    m.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=None,
+                   help="executors leave out prompt groups whose rewards are all equal (no advantage: DAPO's filter) "
+                        "and draw half again as many prompts per round to fill the batch (default: on with --model, "
+                        "off for the tiny LM); the summary counts the groups left out per step")
+    e = p.add_argument_group("held-out evals (the eval split, the same problems each time, on an executor of their "
+                             "own: training never waits for them)")
+    e.add_argument("--eval-every", type=_eval_every, default=d.eval_every, metavar="N",
+                   help="also evaluate every N trainer steps during the run (default 0: before and after only)")
+    e.add_argument("--eval-groups", type=int, default=None,
+                   help=f"held-out problems per eval (0: none; default {MODEL_EVAL_GROUPS} with --model, "
+                        f"{TINY_EVAL_GROUPS} for the tiny LM with --eval-every, else none)")
+    e.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per held-out problem")
     x = p.add_argument_group("extras")
     x.add_argument("--recorder", action="store_true", help="record the first policy's batches")
     x.add_argument("--metrics-base-port", type=int, default=d.metrics_base_port, metavar="PORT",
@@ -155,8 +174,13 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
             problems.append("give --lora or --full, not both")
     if config.full and config.model is None:
         problems.append("--full needs --model (the tiny LM always trains full weights)")
-    if config.eval_groups < 0 or config.eval_samples < 1:
+    if (config.eval_groups is not None and config.eval_groups < 0) or config.eval_samples < 1:
         problems.append("--eval-groups must be >= 0 and --eval-samples >= 1")
+    if config.eval_every and config.eval_problems() == 0:
+        problems.append("--eval-every needs held-out problems: give --eval-groups N with N >= 1")
+    if config.eval_every >= config.steps > 0 and config.eval_every:
+        problems.append(f"--eval-every {config.eval_every} is not below --steps {config.steps}: no eval would run "
+                        "during training (the evals before and after always run)")
     if config.restart_budget < 0:
         problems.append("--restart-budget must be >= 0")
     n_ports = config.executors + config.trainers + 2

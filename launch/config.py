@@ -8,7 +8,7 @@ from typing import Any
 
 from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES
 
-__all__ = ["DEFAULT_LORA", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK", "MODES", "STALE_POLICIES", "RunConfig",
+__all__ = ["DEFAULT_LORA", "due_steps", "parse_eval_every", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK", "MODES", "STALE_POLICIES", "RunConfig",
            "RunFailed", "RunResult", "metrics_ports"]
 
 
@@ -53,9 +53,17 @@ class RunConfig:
     micro_batch_size: int = 4
     task: dict[str, Any] = field(default_factory=dict)
     """``tasks.math_words.MathWordsSource`` options over ``MODEL_TASK`` (steps, numbers, answer form, credits)."""
-    eval_groups: int = 24
-    """Held-out (eval split) problems scored before and after training; 0: no eval."""
-    eval_samples: int = 2
+    eval_groups: int | None = None
+    """Held-out (eval split) problems scored before and after training (and every ``eval_every`` steps); 0: no
+    eval. None: ``MODEL_EVAL_GROUPS`` with a HF model, ``TINY_EVAL_GROUPS`` for the tiny LM with ``eval_every``,
+    else none (see ``eval_problems``)."""
+    eval_samples: int = 1
+    """Samples per held-out problem."""
+    eval_every: int = 0
+    """Also evaluate every N trainer steps during the run (0: before and after only); never blocks training."""
+    dynamic_sampling: bool | None = None
+    """Executors leave out prompt groups whose rewards are all equal (DAPO's filter) and draw more prompts
+    (``over_sample_groups``) to fill the batch. None: on with a HF model, off for the tiny LM."""
     # --- warm start ----------------------------------------------------------------------------
     warm_steps: int = 400
     warm_keep: float = 0.25
@@ -90,12 +98,35 @@ class RunConfig:
             return None
         return self.lora or DEFAULT_LORA
 
+    def eval_problems(self) -> int:
+        """Held-out problems per eval (0: no evals); see ``eval_groups``."""
+        if self.eval_groups is not None:
+            return self.eval_groups
+        if self.model is not None:
+            return MODEL_EVAL_GROUPS
+        return TINY_EVAL_GROUPS if self.eval_every else 0
+
+    def filters_groups(self) -> bool:
+        """Whether the executors run the all-equal-rewards group filter with over-sampling."""
+        return self.model is not None if self.dynamic_sampling is None else self.dynamic_sampling
+
+    def over_sample_groups(self) -> int:
+        """Prompt groups drawn per sampling round when the filter is on: half again as many as kept."""
+        return self.n_groups + max(1, self.n_groups // 2)
+
     def base_policy(self) -> str:
         """The policy of the base engine pool: the first trainer's, or ``base`` when every policy is an adapter."""
         return "base" if self.lora_spec() else self.policies()[0]
 
 
 DEFAULT_LORA = "8,16"
+
+MODEL_EVAL_GROUPS = 200
+"""Held-out problems per eval of a HF-model run: the paired before/after interval of 200 problems excludes 0 for
+a true 10-point change while fewer than about half of the problems change their answer (``tasks.stats``), and
+the Wilson interval of one eval is at most +-6.8 points (at 50%)."""
+TINY_EVAL_GROUPS = 64
+"""Held-out problems per eval of the tiny LM's run when it evaluates (``eval_every``)."""
 
 MODEL_DEFAULTS: dict[str, Any] = {
     "steps": 12, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 1e-3, "in_flight": 2,
@@ -111,6 +142,25 @@ MODEL_TASK: dict[str, Any] = {"min_steps": 1, "max_steps": 2, "max_number": 20, 
 """The word-problem task of a HF-model run (``tasks.math_words.MathWordsSource`` options): one- and two-step
 problems (SmolLM2-135M answers almost none of three steps), a short answer asked for; reward 1 for the right
 number as ``#### N``, 0.5 for the right number in other words, 0.2 for a wrong one as ``#### N``."""
+
+
+def parse_eval_every(value: str) -> int:
+    """``--eval-every N``: a held-out eval every N trainer steps (0: only before and after)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"--eval-every must be a whole number of trainer steps, got {value!r}") from None
+    if n < 0:
+        raise ValueError(f"--eval-every must be >= 0 (0: before and after training only), got {n}")
+    return n
+
+
+def due_steps(eval_every: int, steps: int) -> list[int]:
+    """The trainer steps after which an eval is asked for during the run: every ``eval_every``-th, before the
+    last one (the eval after training covers it)."""
+    if eval_every <= 0:
+        return []
+    return list(range(eval_every, steps, eval_every))
 
 
 def metrics_ports(config: RunConfig) -> dict[str, int]:

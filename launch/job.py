@@ -109,16 +109,24 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
             *_janitor_args(config), *_health_args(config), *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
-        for i in range(config.executors):
+        evals_on = config.eval_problems() > 0
+        for i in range(config.executors):  # with evals, these serve training rollouts alone
             procs.start(f"executor-{i}", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
-                                          "--index", str(i), *_task_args(config, init, task),
+                                          "--index", str(i), *_task_args(config, init, task), *_filter_args(config),
+                                          *(["--queues", "rollout"] if evals_on else []),
                                           *config.executor_args, *_metrics_args(ports, f"executor-{i}")],
                         restart=service)
-        evals: dict[str, dict[str, dict[str, float]]] = {p: {} for p in policies}
-        if config.model is not None and config.eval_groups > 0:  # the initial weights, before any trainer starts
-            before = _evaluate(config, client, keys, procs, config.base_policy(), 0, task, "before", namespace)
-            for p in policies:
-                evals[p]["before"] = before
+        tracker = None
+        before = None
+        if evals_on:  # an executor of their own: a training rollout never waits behind an eval job
+            procs.start("executor-eval", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
+                                          "--index", str(config.executors), *_task_args(config, init, task),
+                                          "--queues", "eval", *config.executor_args], restart=service)
+            tracker = _tracker(config, client, keys, task, namespace, out / "metrics")
+            # the initial weights, before any trainer starts (one eval: every policy starts from them)
+            _wait_policy(client, keys, procs, config.base_policy(), 0, 300.0)
+            before = tracker.ask(config.base_policy(), "before", 0)
+            _wait_evals(tracker, [before], procs)
         recorder = None
         if config.recorder:
             recorder = procs.start("recorder", [*ROLE, "trainer", "record", "--redis-url", url, "--namespace",
@@ -133,19 +141,27 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                     for p in policies]
         if on_start is not None:
             on_start(RunHandle(procs, keys, url))
-        runlog = _follow(config, client, keys, procs, trainers, started, epoch)
-        if config.model is not None and config.eval_groups > 0:  # each policy's last version
+        runlog = _follow(config, client, keys, procs, trainers, started, epoch, tracker)
+        if tracker is not None and before is not None:  # each policy's last version, on the same problems
+            afters = {}
             for p in policies:
-                evals[p]["after"] = _evaluate(config, client, keys, procs, p, runlog.policy(p).version, task, "after",
-                                              namespace)
-        for p in policies:
-            runlog.policy(p).evals = evals[p]
+                summary = runlog.policy(p)
+                if _wait_policy(client, keys, procs, p, summary.version, 300.0) < summary.version:
+                    raise RunFailed(f"policy {p} was not served at v{summary.version} within 300s: no after eval")
+                afters[p] = tracker.ask(p, "after", summary.steps)
+            _wait_evals(tracker, [*tracker.pending(), *afters.values()], procs)
+            for p in policies:
+                _fold_evals(runlog.policy(p), tracker, before, afters[p])
+            tracker.close()
         if recorder is not None:
             time.sleep(1.0)  # let the recorder catch up with the last batches
         wall_s = time.monotonic() - started
         summaries = [runlog.policy(p) for p in policies]
         outputs = {p: output_paths(out / "metrics", f"{namespace}-{p}", parse_log_to(config.log_to))
                    for p in policies}
+        if tracker is not None:
+            for p in policies:
+                outputs[p].update({f"eval-{k}": v for k, v in tracker.logs[p].outputs.items()})
         faults = run_faults(client, keys, procs.restarts(), summaries)
         text = (format_summary(summaries, mode=config.mode, wall_s=wall_s, faults=faults) + "\n"
                 + format_outputs(outputs))
@@ -294,31 +310,63 @@ def _wait_policy(client: Any, keys: Any, procs: Any, policy: str, version: int, 
         time.sleep(0.1)
 
 
-def _evaluate(config: RunConfig, client: Any, keys: Any, procs: Any, policy: str, version: int,
-              task: dict[str, Any], phase: str, namespace: str) -> dict[str, float]:
-    """Score ``policy`` on ``eval_groups`` held-out problems (the eval split) with an eval request."""
-    from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
-    from rollout_bus.events.submit import RolloutSubmitter, wait_outcome
-    from rollout_bus.lm import hf_tokenizer
+EVAL_TIMEOUT_S = 600.0
+"""How long one eval request may take (its deadline); the run waits a minute longer for its result."""
 
-    serving = _wait_policy(client, keys, procs, policy, version, 300.0)
-    if serving < 0:
-        raise RunFailed(f"policy {policy} was not served within 300s: no {phase} eval")
-    chat = hf_tokenizer.load(str(task["tokenizer"]))
-    request = RolloutRequest.create(
-        policy, 0, config.eval_groups, config.eval_samples, timeout_s=600.0, eval=True,
-        request_id=f"eval-{namespace}-{policy}-{phase}-{uuid.uuid4().hex[:8]}",
-        data={**task, "split": "eval", "size": config.eval_groups},
-        sampling=SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                                stop_token_ids=chat.stop_token_ids))
-    RolloutSubmitter(client, keys).submit(request)
-    result = wait_outcome(client, request.request_id, 660.0)
-    if result.state != "finished" or not isinstance(result.result, dict):
-        raise RunFailed(f"the {phase} eval of {policy} did not finish ({result.state}): {result.error}")
-    metrics = result.result.get("metrics") or {}
-    out = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-    log.info("eval %s of %s (v%d): %s", phase, policy, serving, out)
-    return out
+
+def _tracker(config: RunConfig, client: Any, keys: Any, task: dict[str, Any], namespace: str,
+             log_dir: Path) -> Any:
+    """The run's ``EvalTracker``: eval requests of ``eval_problems`` held-out problems, logged per policy."""
+    from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+    from rollout_bus.events.submit import RolloutSubmitter
+    from rollout_bus.launch.evals import EvalLog, EvalTracker
+    from rollout_bus.trainer.config import parse_log_to
+
+    if config.model is not None:
+        from rollout_bus.lm import hf_tokenizer
+
+        stop = tuple(hf_tokenizer.load(str(task["tokenizer"])).stop_token_ids)
+    else:
+        from rollout_bus.lm.tokenizer import EOS_ID
+
+        stop = (EOS_ID,)
+    submitter = RolloutSubmitter(client, keys)
+    n = config.eval_problems()
+
+    def submit(policy: str, request_id: str) -> None:
+        submitter.submit(RolloutRequest.create(
+            policy, 0, n, config.eval_samples, timeout_s=EVAL_TIMEOUT_S, eval=True, request_id=request_id,
+            data={**task, "split": "eval", "size": n},
+            sampling=SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                                    stop_token_ids=stop)))
+
+    logs = {p: EvalLog(log_dir, f"{namespace}-{p}", p, parse_log_to(config.log_to), group=namespace,
+                       config={"eval_problems": n, "eval_samples": config.eval_samples, "eval_every": config.eval_every,
+                               "task": task})
+            for p in config.policies()}
+    return EvalTracker(client, keys, submit, namespace, logs=logs)
+
+
+def _wait_evals(tracker: Any, points: list[Any], procs: Any) -> None:
+    def supervise() -> None:
+        try:
+            procs.supervise()
+        except Exception as exc:
+            raise RunFailed(str(exc)) from None
+
+    try:
+        tracker.wait(points, EVAL_TIMEOUT_S + 60.0, supervise)
+    except TimeoutError as exc:
+        raise RunFailed(str(exc)) from None
+
+
+def _fold_evals(summary: Any, tracker: Any, before: Any, after: Any) -> None:
+    """The policy's evals into its summary: before, after, their paired difference, and those during the run."""
+    from rollout_bus.launch.evals import difference, phase_metrics
+
+    summary.evals = {"before": phase_metrics(before), "after": phase_metrics(after)}
+    summary.eval_difference = difference(before.event, after.event)
+    summary.eval_points = [before.to_dict(), *(p.to_dict() for p in tracker.of(summary.policy) if p is not before)]
 
 
 def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init: Path, weights_root: Path,
@@ -337,7 +385,8 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--in-flight", str(config.in_flight), "--max-staleness", str(config.max_staleness),
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
             "--std-normalise" if config.std_normalise else "--no-std-normalise",
-            "--minibatches", str(config.minibatches), "--log-to", config.log_to, "--log-dir", str(log_dir),
+            "--minibatches", str(config.minibatches), "--log-to", config.log_to,
+            *(["--over-sample-groups", str(config.over_sample_groups())] if config.filters_groups() else []), "--log-dir", str(log_dir),
             "--run-name", namespace, *extra, *config.trainer_args]
 
 
@@ -366,17 +415,26 @@ def _adopt_engines(client: Any, keys: Any, procs: Any) -> None:
             procs.adopt(record.pid, record.engine_id)
 
 
+def _filter_args(config: RunConfig) -> list[str]:
+    """DAPO's dynamic sampling: groups whose rewards are all equal (no advantage) are left out, and each
+    request draws more prompts (``over_sample_groups``, passed by the trainers) to fill the batch."""
+    return ["--filter", "rollout_bus.executor.filters.nonzero_reward_std"] if config.filters_groups() else []
+
+
 def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float,
-            epoch: Any) -> Any:
+            epoch: Any, tracker: Any = None) -> Any:
     """Follow the trainer stream until every trainer is done; restart what died; fail when one keeps dying,
     or when Redis lost the run's data (its bus epoch vanished: ``RunFailed`` with that reason)."""
     from tqdm import tqdm
 
     from rollout_bus.events.errors import BusError, BusReset
+    from rollout_bus.launch.config import due_steps
     from rollout_bus.launch.procs import GaveUp, exit_text
     from rollout_bus.launch.report import RunLog
 
     runlog = RunLog()
+    due = set(due_steps(config.eval_every, config.steps)) if tracker is not None else set()
+    asked: set[tuple[str, int]] = set()
     last_adopt = last_epoch = 0.0
     total = config.steps * len(trainers)
     with tqdm(total=total, unit="step", disable=not config.progress, dynamic_ncols=True,
@@ -387,6 +445,12 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                     last_epoch = time.monotonic()
                     epoch.check()
                 new = runlog.follow(client, keys, block_ms=300)
+                for step in new:  # an eval of the policy as it is now; training goes on meanwhile
+                    if tracker is not None and step.step in due and (step.policy, step.step) not in asked:
+                        asked.add((step.policy, step.step))
+                        tracker.ask(step.policy, "during", step.step)
+                if tracker is not None:
+                    tracker.poll()
                 if time.monotonic() - last_adopt > 1.0:
                     _adopt_engines(client, keys, procs)
                     last_adopt = time.monotonic()

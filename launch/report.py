@@ -229,10 +229,21 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
             k = min(5, len(p.correct))
             lines.append(f"  answers     correct {_mean(p.correct[:2]):.3f} -> {_mean(p.correct[-k:]):.3f}, "
                          f"in form {_mean(p.formatted[:2]):.3f} -> {_mean(p.formatted[-k:]):.3f} (trained batches)")
+        nan = float("nan")
         for phase, m in p.evals.items():
-            lines.append(f"  eval {phase:<6} reward {m.get('reward_mean', float('nan')):.3f}, correct "
-                         f"{m.get('correct_frac', float('nan')):.3f}, in form {m.get('formatted_frac', float('nan')):.3f}"
-                         f" on {m.get('samples', 0):.0f} held-out samples (weights v{m.get('min_weight_version', -1):.0f})")
+            lines.append(f"  eval {phase:<6} accuracy {m.get('accuracy', nan):.3f} [{m.get('accuracy_lo', nan):.3f}, "
+                         f"{m.get('accuracy_hi', nan):.3f}], reward {m.get('reward_mean', nan):.3f}, in form "
+                         f"{m.get('formatted_frac', nan):.3f} on {m.get('samples', 0):.0f} held-out samples of "
+                         f"{m.get('problems', 0):.0f} problems (weights v{m.get('min_weight_version', -1):.0f})")
+        if p.eval_difference:
+            d = p.eval_difference
+            lines.append(f"  eval change accuracy {d['accuracy_diff']:+.3f} [{d['accuracy_diff_lo']:+.3f}, "
+                         f"{d['accuracy_diff_hi']:+.3f}] after - before on {d['paired_problems']:.0f} paired problems "
+                         "(95%, paired bootstrap)")
+        during = [e for e in p.eval_points if e.get("phase") == "during" and "metrics" in e]
+        if during:
+            lines.append("  eval during " + ", ".join(f"step {e['step']}: {e['metrics'].get('accuracy', nan):.3f}"
+                                                      for e in during))
     if faults is not None:
         restarted = ", ".join(f"{name} {n}" for name, n in sorted(faults.restarts.items()) if n) or "none"
         lines.append(f"faults: restarts {restarted}; {faults.requeued_jobs} job(s) requeued, "
@@ -277,11 +288,14 @@ def plot_rewards(policies: Iterable[PolicySummary], path: str | Path, *, title: 
                     label=f"{p.policy} correct")
             ax.plot(range(1, len(p.formatted) + 1), p.formatted, linestyle=":", color=line.get_color(),
                     label=f"{p.policy} in form")
-        evals = [(x, p.evals[phase].get("reward_mean", float("nan")))
-                 for phase, x in (("before", 0), ("after", len(p.rewards))) if phase in p.evals]
-        if evals:
-            ax.scatter([x for x, _ in evals], [y for _, y in evals], marker="s", color=line.get_color(),
-                       label=f"{p.policy} held-out eval reward")
+        held = [(e["step"], e["metrics"]) for e in p.eval_points if "metrics" in e and "accuracy" in e["metrics"]]
+        if held:  # every held-out eval (before, during, after) with its 95% Wilson interval
+            xs = [x for x, _ in held]
+            ys = [m["accuracy"] for _, m in held]
+            lo = [max(0.0, m["accuracy"] - m.get("accuracy_lo", m["accuracy"])) for _, m in held]
+            hi = [max(0.0, m.get("accuracy_hi", m["accuracy"]) - m["accuracy"]) for _, m in held]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="s", capsize=3, color=line.get_color(),
+                        label=f"{p.policy} held-out accuracy (95% interval)")
     ax.set_xlabel("training step")
     ax.set_ylabel("trained batch: mean reward, share of answers")
     ax.set_ylim(0, 1.02)

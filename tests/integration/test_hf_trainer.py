@@ -138,7 +138,11 @@ def test_a_base_policy_and_a_lora_policy_train_side_by_side(
 def test_the_main_job_trains_a_hf_model_with_held_out_evals(
         tmp_path: Path, llama: Path, redis_server: RedisServer, keys: Keys) -> None:
     out = tmp_path / "out"
+    # a random model answers nothing right: every group's rewards are equal, so the dynamic filter would leave
+    # none (it is off here) and no step would have signal; the entropy bonus gives each step a gradient, and
+    # so a version to publish
     config = RunConfig(model=str(llama), steps=3, n_groups=2, n_samples=4, max_new_tokens=8, lr=5e-4,
+                       dynamic_sampling=False, trainer_args=["--entropy-coef=0.001"],
                        temperature=TEMPERATURE, engine_max_batch=32, eval_groups=4, eval_samples=2, out=str(out),
                        redis_url=redis_server.url, namespace=keys.namespace, progress=False, timeout_s=240,
                        log_events=str(tmp_path / "run.rblog"))
@@ -170,6 +174,7 @@ def test_two_trainers_train_two_lora_policies_on_one_engine_pool(
         tmp_path: Path, llama: Path, redis_server: RedisServer, keys: Keys) -> None:
     out = tmp_path / "out"
     config = RunConfig(model=str(llama), trainers=2, steps=2, n_groups=2, n_samples=2, max_new_tokens=6, lr=5e-4,
+                       dynamic_sampling=False, trainer_args=["--entropy-coef=0.001"],  # as above: a random model
                        temperature=TEMPERATURE, engine_max_batch=32, eval_groups=2, eval_samples=1, out=str(out),
                        redis_url=redis_server.url, namespace=keys.namespace, progress=False, timeout_s=240)
     result = run_job(config)

@@ -1,0 +1,79 @@
+"""``rollout-bus run``'s eval options: --eval-every parsing and scheduling, defaults, dynamic sampling."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_bus.launch.cli import build_parser, config_from_args
+from rollout_bus.launch.config import MODEL_EVAL_GROUPS, RunConfig, due_steps, parse_eval_every
+from rollout_bus.launch.job import _filter_args, _trainer_args
+from rollout_bus.tasks.math_words import MathWordsSource, problem, restates_answer
+
+
+def config(*argv: str) -> RunConfig:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_eval_every_takes_a_whole_number_of_steps() -> None:
+    assert parse_eval_every("3") == 3 and parse_eval_every("0") == 0
+    with pytest.raises(ValueError, match="whole number of trainer steps"):
+        parse_eval_every("2.5")
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_eval_every("-1")
+    with pytest.raises(SystemExit):  # argparse reports the same message
+        build_parser().parse_args(["--eval-every", "x"])
+
+
+def test_evals_during_the_run_fall_on_every_nth_step_before_the_last() -> None:
+    assert due_steps(2, 8) == [2, 4, 6]  # step 8 is the eval after training
+    assert due_steps(3, 10) == [3, 6, 9]
+    assert due_steps(0, 10) == [] and due_steps(5, 5) == []
+
+
+def test_eval_every_needs_problems_and_fewer_steps_than_the_run() -> None:
+    c = config("--eval-every", "2", "--steps", "6")
+    assert c.eval_every == 2 and c.eval_problems() == 16 * 4 and c.eval_samples == 1
+    assert config("--steps", "6").eval_problems() == 0  # the tiny LM evaluates only when asked
+    with pytest.raises(SystemExit, match="needs held-out problems"):
+        config("--eval-every", "2", "--eval-groups", "0")
+    with pytest.raises(SystemExit, match="not below --steps"):
+        config("--eval-every", "6", "--steps", "6")
+
+
+def test_a_model_run_evaluates_enough_problems_and_filters_groups_by_default() -> None:
+    c = RunConfig(model="smollm2", n_groups=4)
+    assert c.eval_problems() == MODEL_EVAL_GROUPS == 200
+    assert c.filters_groups() and c.over_sample_groups() == 6
+    assert _filter_args(c) == ["--filter", "rollout_bus.executor.filters.nonzero_reward_std"]
+    off = RunConfig(model="smollm2", dynamic_sampling=False)
+    assert not off.filters_groups() and _filter_args(off) == []
+    assert not RunConfig().filters_groups()  # the tiny LM keeps every group unless asked
+    assert config("--model", "smollm2", "--no-dynamic-sampling").dynamic_sampling is False
+
+
+def test_the_trainers_ask_for_extra_groups_only_when_the_filter_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    def args(c: RunConfig) -> list[str]:
+        return _trainer_args(c, "p0", "redis://x", "ns", tmp_path, tmp_path, tmp_path, tmp_path, {})
+
+    on = args(RunConfig(n_groups=4, dynamic_sampling=True))
+    assert on[on.index("--over-sample-groups") + 1] == "6"
+    assert "--over-sample-groups" not in args(RunConfig(n_groups=4))
+
+
+def test_the_eval_split_leaves_out_problems_that_only_restate_their_answer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.tiny_hf import byte_tokenizer
+
+    tokenizer = tmp_path / "tok"
+    byte_tokenizer().save_pretrained(tokenizer)
+    options = {"tokenizer": str(tokenizer), "min_steps": 1, "max_steps": 2}
+    raw = [problem("eval", i, min_steps=1, max_steps=2) for i in range(200)]
+    assert sum(map(restates_answer, raw)) > 20  # a fair share of one-step problems only say the answer
+    evals = MathWordsSource(**options, split="eval", size=100)
+    questions = [evals.question(i) for i in range(100)]
+    assert not any(map(restates_answer, questions))
+    assert [q.text for q in questions] == [p.text for p in raw if not restates_answer(p)][:100]
+    assert evals.question(100) == questions[0]  # size still wraps
+    kept = MathWordsSource(**options, split="eval", restated="keep")
+    assert [kept.question(i) for i in range(200)] == raw
+    train = MathWordsSource(**options, split="train")
+    assert any(restates_answer(train.question(i)) for i in range(100))  # training keeps them
