@@ -70,6 +70,9 @@ class ControllerConfig:
     """Engines of the base policy's pool (adapter policies are served on them too)."""
     pools: list[str] = field(default_factory=list)
     """More pools, ``POLICY=NUM_ENGINES``: engines whose base weights are that full-weight policy's."""
+    eval_engines: int = 0
+    """Engines of the eval pool: base-pool engines (kept on the newest weights, adapters included) that
+    register with role ``eval``, so executors send them eval requests and never a training rollout."""
     model_path: str = ""
     engine_host: str = ""
     """Where launched engines listen; "" (auto): 127.0.0.1 when ``advertise_host`` is a loopback address
@@ -139,7 +142,7 @@ class ControllerConfig:
 
     @property
     def total_engines(self) -> int:
-        return self.num_engines + sum(self.pool_sizes().values()) + len(self.adopt_urls)
+        return self.num_engines + sum(self.pool_sizes().values()) + self.eval_engines + len(self.adopt_urls)
 
     def pool_sizes(self) -> dict[str, int]:
         """The extra full-weight pools, policy -> number of engines."""
@@ -147,11 +150,16 @@ class ControllerConfig:
 
     def expected_engines(self) -> dict[str, str]:
         """Engine id -> base policy of every engine to launch: ``engine-<i>`` for the base pool,
-        ``engine-<policy>-<i>`` for the others."""
+        ``engine-<policy>-<i>`` for the others, ``engine-eval-<i>`` for the eval pool (on the base policy)."""
         out = {f"engine-{i}": self.base_policy for i in range(self.num_engines)}
         for policy, count in self.pool_sizes().items():
             out.update({f"engine-{policy}-{i}": policy for i in range(count)})
+        out.update({engine_id: self.base_policy for engine_id in self.eval_engine_ids()})
         return out
+
+    def eval_engine_ids(self) -> list[str]:
+        """The engines of the eval pool: registered with role ``eval``, used by eval requests alone."""
+        return [f"engine-eval-{i}" for i in range(self.eval_engines)]
 
     def validate(self) -> ControllerConfig:
         """Return ``self`` or raise ``ConfigError`` naming every invalid setting."""
@@ -186,9 +194,13 @@ class ControllerConfig:
             problems.append(f"pause_mode {self.pause_mode!r} is not one of {list(PAUSE_MODES)}")
         if self.num_engines < 0:
             problems.append(f"num_engines must be >= 0, got {self.num_engines}")
+        if self.eval_engines < 0:
+            problems.append(f"eval_engines must be >= 0, got {self.eval_engines}")
+        elif self.eval_engines and self.num_engines + sum(pools.values()) + len(self.adopt_urls) == 0:
+            problems.append("eval engines alone serve no training: give num_engines >= 1 as well")
         if self.num_engines + sum(pools.values()) + len(self.adopt_urls) == 0:
             problems.append("nothing to manage: give num_engines >= 1 or at least one adopt URL")
-        launched = self.num_engines + sum(pools.values())
+        launched = self.num_engines + sum(pools.values()) + max(self.eval_engines, 0)
         if launched > 0 and not self.model_path:
             problems.append("model_path is required to launch engines")
         elif launched > 0 and self.backend == "cpu" and not os.path.isdir(self.model_path):

@@ -355,6 +355,8 @@ class EvalCompleted(Event):
     n_samples: int
     metrics: dict[str, float]
     problems: list[list[int]] = field(default_factory=list)
+    engine_ids: list[str] = field(default_factory=list)
+    """The engines that generated the samples."""
     since_version: ClassVar[int] = 2
 
 

@@ -56,6 +56,8 @@ class RolloutOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
     problems: list[list[int]] = field(default_factory=list)
     """Eval requests: ``[index, right answers, samples]`` per problem (``convert.is_correct``)."""
+    engine_ids: list[str] = field(default_factory=list)
+    """The engines that generated the samples (as the generate plug-in recorded them)."""
 
 
 @dataclass
@@ -128,8 +130,9 @@ class RolloutRunner:
         kept.sort(key=lambda g: int(g.item["index"]))
         samples = [s for g in kept for s in g.samples]
         metrics = sample_metrics(samples)
-        metrics.update(groups_drawn=float(drawn), groups_kept=float(len(kept)),
-                       groups_filtered=float(sum(reasons.values())), sampling_rounds=float(rounds))
+        metrics.update(groups_drawn=float(drawn), groups_kept=float(len(kept)), sampling_rounds=float(rounds))
+        if self.plugins.filter is not None:  # only a filter leaves groups out
+            metrics["groups_filtered"] = float(sum(reasons.values()))
         metadata = {
             "policy": request.policy, "request_id": request.request_id, "rollout_id": request.rollout_id,
             "n_groups": len(kept), "n_groups_requested": request.n_groups,
@@ -137,6 +140,7 @@ class RolloutRunner:
             "prompt_indices": [int(g.item["index"]) for g in kept],
             "consumed_indices": sorted(used), "filtered": dict(reasons),
             "labels": [g.item.get("label") for g in kept], "metrics": metrics,
+            "engine_ids": engines_of(samples),
         }
         data = to_train_data(samples, rollout_id=request.rollout_id, std_normalise=request.std_normalise,
                              eps=self.config.reward_eps, metadata=metadata)
@@ -155,7 +159,7 @@ class RolloutRunner:
         metrics.update(wilson(sum(p[1] for p in problems), len(samples)).to_dict("accuracy"))
         solved = pass_at_n([g.samples for g in done])
         metrics.update(wilson(round(solved * len(done)), len(done)).to_dict("pass_at_n"))
-        return RolloutOutcome(None, [], metrics, problems)
+        return RolloutOutcome(None, [], metrics, problems, engines_of(samples))
 
     # --- groups -----------------------------------------------------------------------------
     async def _completed(self, ctx: GenerateContext, groups: Sequence[_Group], *,
@@ -265,6 +269,11 @@ class RolloutRunner:
             return verdict
         raise FilterError(f"filter {self.plugins.config.filter_path!r} returned {verdict!r}; "
                           "return a bool or a FilterResult")
+
+
+def engines_of(samples: Sequence[Sample]) -> list[str]:
+    """The engine ids the samples were generated on (``sample.metadata["engines"]``), sorted, each once."""
+    return sorted({str(e) for s in samples for e in s.metadata.get("engines") or () if isinstance(e, str)})
 
 
 def first_error(group_error: BaseExceptionGroup[Any]) -> BaseException:

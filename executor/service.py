@@ -205,10 +205,11 @@ class ExecutorService:
                        prepare_s=prepared - started, rollout_s=generated - prepared, publish_s=finished - generated)
         self.metrics.job_done(metrics, n_samples, outcome.train_data)
         if request.eval:
-            self._eval_completed(request, outcome.problems, metrics)
+            self._eval_completed(request, outcome.problems, outcome.engine_ids, metrics)
         return self._completed(request, batch_id, n_samples, metrics, started, attempt)
 
-    def _eval_completed(self, request: RolloutRequest, problems: list[list[int]], metrics: dict[str, float]) -> None:
+    def _eval_completed(self, request: RolloutRequest, problems: list[list[int]], engine_ids: list[str],
+                        metrics: dict[str, float]) -> None:
         """``EvalCompleted`` on the eval stream: the metrics with their intervals and the per-problem counts."""
         assert self.publisher is not None
         split = request.data.get("split", "eval")
@@ -217,7 +218,8 @@ class ExecutorService:
             split=split[:32] if isinstance(split, str) else "eval",
             min_weight_version=int(metrics.get("min_weight_version", -1)),
             max_weight_version=int(metrics.get("max_weight_version", -1)), n_problems=len(problems),
-            n_samples=int(sum(p[2] for p in problems)), metrics=metrics, problems=problems),
+            n_samples=int(sum(p[2] for p in problems)), metrics=metrics, problems=problems,
+            engine_ids=engine_ids),
             idempotency_key=f"{request.request_id}:eval")
 
     def _completed(self, request: RolloutRequest, batch_id: str, n_samples: int, metrics: dict[str, float],

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"held-out problems per eval (0: none; default {MODEL_EVAL_GROUPS} with --model, "
                         f"{TINY_EVAL_GROUPS} for the tiny LM with --eval-every, else none)")
     e.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per held-out problem")
+    e.add_argument("--eval-engines", type=int, default=d.eval_engines, metavar="K",
+                   help="K engines of their own for the evals, kept on the newest weights by the controller and never "
+                        "used by training rollouts (default 0: evals share the training engines)")
     x = p.add_argument_group("extras")
     x.add_argument("--recorder", action="store_true", help="record the first policy's batches")
     x.add_argument("--metrics-base-port", type=int, default=d.metrics_base_port, metavar="PORT",
@@ -176,6 +179,10 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
         problems.append("--full needs --model (the tiny LM always trains full weights)")
     if (config.eval_groups is not None and config.eval_groups < 0) or config.eval_samples < 1:
         problems.append("--eval-groups must be >= 0 and --eval-samples >= 1")
+    if config.eval_engines < 0:
+        problems.append("--eval-engines must be >= 0")
+    elif config.eval_engines and config.eval_problems() == 0:
+        problems.append("--eval-engines needs evals: give --eval-every or --eval-groups (or --model)")
     if config.eval_every and config.eval_problems() == 0:
         problems.append("--eval-every needs held-out problems: give --eval-groups N with N >= 1")
     if config.eval_every >= config.steps > 0 and config.eval_every:

@@ -61,6 +61,9 @@ class RunConfig:
     """Samples per held-out problem."""
     eval_every: int = 0
     """Also evaluate every N trainer steps during the run (0: before and after only); never blocks training."""
+    eval_engines: int = 0
+    """Engines of their own for the evals (``rollout-bus controller --eval-engines``): base-pool engines the
+    controller keeps on the newest weights, which training rollouts never use. 0: evals share the engines."""
     dynamic_sampling: bool | None = None
     """Executors leave out prompt groups whose rewards are all equal (DAPO's filter) and draw more prompts
     (``over_sample_groups``) to fill the batch. None: on with a HF model, off for the tiny LM."""

@@ -50,6 +50,8 @@ class EvalPoint:
     """The trainer step it followed (0: before training)."""
     request_id: str
     event: EvalCompleted | None = None
+    error: str = ""
+    """Why the eval request failed for good (its rq job's error); empty while it runs or once it completed."""
 
     def to_dict(self) -> dict[str, Any]:
         e = self.event
@@ -108,18 +110,35 @@ class EvalTracker:
         return done
 
     def pending(self) -> list[EvalPoint]:
-        return [p for p in self.points.values() if p.event is None]
+        return [p for p in self.points.values() if p.event is None and not p.error]
 
     def wait(self, points: list[EvalPoint], timeout_s: float, supervise: Any = None) -> None:
-        """Until every one of ``points`` completed (``TimeoutError`` naming the missing ones after ``timeout_s``)."""
+        """Until every one of ``points`` completed or failed for good. ``EvalFailed`` when one of them failed
+        (its job's error) or none came after ``timeout_s``."""
+        from rollout_bus.events.submit import outcome
+
         deadline = time.monotonic() + timeout_s
-        while any(p.event is None for p in points):
+        checked = time.monotonic()
+        while any(p.event is None and not p.error for p in points):
             if time.monotonic() > deadline:
                 missing = ", ".join(f"{p.phase} of {p.policy}" for p in points if p.event is None)
-                raise TimeoutError(f"no result of the eval(s) {missing} after {timeout_s:.0f}s")
+                raise EvalFailed(f"no result of the eval(s) {missing} after {timeout_s:.0f}s")
             self.poll(block_ms=300)
             if supervise is not None:
                 supervise()
+            if time.monotonic() - checked > 2.0:  # a request that failed for good publishes no EvalCompleted
+                checked = time.monotonic()
+                for p in points:
+                    if p.event is None and not p.error:
+                        state = self.guard.call(lambda c, rid=p.request_id: outcome(c, rid))  # type: ignore[misc]
+                        if state.state == "failed":
+                            p.error = state.error or "failed"
+                            log.error("the %s eval of %s failed: %s", p.phase, p.policy, p.error)
+        failed = [p for p in points if p.error]
+        if failed:
+            raise EvalFailed("; ".join(f"the {p.phase} eval of {p.policy} (step {p.step}) failed: "
+                                       f"{p.error.strip().splitlines()[-1] if p.error.strip() else p.error}"
+                                       for p in failed))
 
     def of(self, policy: str) -> list[EvalPoint]:
         return sorted((p for p in self.points.values() if p.policy == policy and p.event is not None),
@@ -128,6 +147,10 @@ class EvalTracker:
     def close(self) -> None:
         for eval_log in self.logs.values():
             eval_log.close()
+
+
+class EvalFailed(RuntimeError):
+    """An eval request failed for good, or its result did not come in time."""
 
 
 def difference(before: EvalCompleted, after: EvalCompleted) -> dict[str, float]:

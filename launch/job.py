@@ -106,6 +106,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             "--num-engines", str(config.engines), "--model-path", str(init), "--weights-root", str(weights_root),
             "--base-policy", config.base_policy(), "--seed", str(config.seed), "--log-dir", str(out / "logs"),
             *_pool_args(config), "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
+            *(["--eval-engines", str(config.eval_engines)] if config.eval_engines else []),
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
             *_janitor_args(config), *_health_args(config), *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
@@ -354,9 +355,11 @@ def _wait_evals(tracker: Any, points: list[Any], procs: Any) -> None:
         except Exception as exc:
             raise RunFailed(str(exc)) from None
 
+    from rollout_bus.launch.evals import EvalFailed
+
     try:
         tracker.wait(points, EVAL_TIMEOUT_S + 60.0, supervise)
-    except TimeoutError as exc:
+    except EvalFailed as exc:
         raise RunFailed(str(exc)) from None
 
 

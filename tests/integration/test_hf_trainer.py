@@ -107,7 +107,9 @@ def test_a_base_policy_and_a_lora_policy_train_side_by_side(
             "--mode", "sync", "--steps", "2", "--model-path", str(llama), "--weights-root", str(weights),
             "--n-groups", "2", "--n-samples", "2", "--max-new-tokens", "6", "--temperature", str(TEMPERATURE),
             "--data", json.dumps(task), "--lr", "1e-3", "--log-dir", str(tmp_path / "metrics"),
-            "--checkpoint-dir", str(tmp_path / "checkpoints" / p), *extra],
+            "--checkpoint-dir", str(tmp_path / "checkpoints" / p),
+            "--entropy-coef", "0.001",  # a random model earns no reward: the bonus gives each step a version
+            *extra],
             restart=finish) for p, extra in (("p0", []), ("p1", ["--lora", "4,8"]))]
         wait_until("both trainers finish", lambda: all(not t.alive() for t in trainers), timeout_s=240, every_s=0.2)
         assert [t.proc.returncode for t in trainers] == [0, 0], "\n".join(t.tail() for t in trainers)
@@ -159,6 +161,7 @@ def test_the_main_job_trains_a_hf_model_with_held_out_evals(
 
     # the recorded log retrains the model offline, deterministically, as the live trainer was set up
     offline = OfflineConfig(log=str(tmp_path / "run.rblog"), model_path=str(llama), policy="p0", optim=OptimConfig(lr=5e-4),
+                            loss=LossSettings(entropy_coef=0.001),
                             temperature=TEMPERATURE, hf=HFSettings(device="cpu", lora=LoraSettings(r=8, alpha=16)))
     first, model = run_offline(offline)
     again, _ = run_offline(offline)

@@ -72,3 +72,39 @@ def test_a_run_with_eval_every_2_evaluates_during_training_and_sums_up_with_inte
     assert [e.step for e in tensorboard_run(Path(logs["tensorboard"])).Scalars("reward/mean")] == \
         list(range(1, STEPS + 1))  # the trainer's own run is untouched by the eval's
     assert (result.out / "reward.png").stat().st_size > 0
+
+
+def test_eval_engines_serve_the_evals_alone_and_follow_the_newest_weights(
+        tmp_path: Path, redis_server: RedisServer, keys: Keys) -> None:
+    from rollout_bus.events.registry import Registry
+    from rollout_bus.launch.job import RunHandle
+    from rollout_bus.trainer.recorder import read_recording
+
+    roles: dict[str, str] = {}
+
+    def look(handle: RunHandle) -> None:
+        client = connect(handle.url)
+        try:
+            roles.update({e.engine_id: e.role for e in Registry(client, handle.keys).engines().values()})
+        finally:
+            client.close()
+
+    steps = 4
+    config = RunConfig(mode="sync", steps=steps, seed=0, out=str(tmp_path / "out"), redis_url=redis_server.url,
+                       namespace=keys.namespace, init_dir=str(shared_init_dir()), progress=False, plot=False,
+                       n_groups=4, n_samples=4, timeout_s=200.0, eval_every=2, eval_groups=PROBLEMS,
+                       eval_engines=1, recorder=True)
+    result = run_job(config, on_start=look)
+    assert roles == {"engine-0": "train", "engine-eval-0": "eval"}
+    client = connect(redis_server.url)
+    try:
+        evals = [decode(f) for _, f in page(client, keys.eval_stream)]
+    finally:
+        client.close()
+    assert len(evals) == 3 and all(isinstance(e, EvalCompleted) for e in evals)
+    assert all(e.engine_ids == ["engine-eval-0"] for e in evals)  # every eval sample on the eval engine
+    version = result.summaries["p0"]["version"]
+    assert evals[-1].min_weight_version == evals[-1].max_weight_version == version  # kept on the newest weights
+    batches = list(read_recording(result.out / "recording"))
+    assert len(batches) >= steps
+    assert all(data.metadata["engine_ids"] == ["engine-0"] for _, data in batches)  # training never used it

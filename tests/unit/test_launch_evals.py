@@ -77,3 +77,40 @@ def test_the_eval_split_leaves_out_problems_that_only_restate_their_answer(tmp_p
     assert [kept.question(i) for i in range(200)] == raw
     train = MathWordsSource(**options, split="train")
     assert any(restates_answer(train.question(i)) for i in range(100))  # training keeps them
+
+
+def test_the_summary_counts_the_groups_the_filter_left_out_per_step(tmp_path, keys) -> None:  # type: ignore[no-untyped-def]
+    import fakeredis
+
+    from rollout_bus.events.schema import TrainStepDone
+    from rollout_bus.launch.report import RunLog, format_summary
+    from rollout_bus.lm.model import ModelConfig, build_model, save_weights
+    from rollout_bus.trainer.service import Trainer
+    from tests.support.fake_rollouts import FakeRollouts
+    from tests.unit.test_trainer_service import events_of, make_config
+
+    save_weights(build_model(ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=32), seed=0),
+                 tmp_path / "init")
+
+    def filtered(n: int):  # type: ignore[no-untyped-def]
+        def mark(data):  # type: ignore[no-untyped-def]
+            data.metadata["metrics"] = {"groups_filtered": float(n), "groups_drawn": float(n + 2)}
+        return mark
+
+    client = fakeredis.FakeRedis()
+    with FakeRollouts(client, keys, poison={0: filtered(3), 1: filtered(1), 2: filtered(0)}):
+        trainer = Trainer(make_config(tmp_path, str(tmp_path / "init"), keys, "sync", 3), client, keys)
+        trainer.start()
+        trainer.run()
+        trainer.stop()
+    steps = events_of(client, keys.trainer_stream, TrainStepDone)
+    assert [s.metrics["groups_filtered"] for s in steps] == [3.0, 1.0, 0.0]  # the executors' count, per step
+    runlog = RunLog()
+    runlog.add_all(steps)
+    summary = runlog.policy("default")
+    assert summary.groups_filtered == [3.0, 1.0, 0.0] and summary.to_dict()["groups_filtered_total"] == 4.0
+    assert "4 prompt groups left out (all rewards equal)" in format_summary([summary], mode="sync", wall_s=1.0)
+    unfiltered = RunLog()
+    unfiltered.add_all([TrainStepDone(producer=steps[0].producer, policy="q", trainer_id="t", step=1,
+                                      weight_version=1, metrics={"reward_mean": 0.5})])
+    assert "groups_filtered" not in unfiltered.policy("q").to_dict()
