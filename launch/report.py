@@ -232,8 +232,9 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
         nan = float("nan")
         for phase, m in p.evals.items():
             lines.append(f"  eval {phase:<6} accuracy {m.get('accuracy', nan):.3f} [{m.get('accuracy_lo', nan):.3f}, "
-                         f"{m.get('accuracy_hi', nan):.3f}], reward {m.get('reward_mean', nan):.3f}, in form "
-                         f"{m.get('formatted_frac', nan):.3f} on {m.get('samples', 0):.0f} held-out samples of "
+                         f"{m.get('accuracy_hi', nan):.3f}], reward {m.get('reward_mean', nan):.3f}"
+                         + (f", in form {m['formatted_frac']:.3f}" if "formatted_frac" in m else "")
+                         + f" on {m.get('samples', 0):.0f} held-out samples of "
                          f"{m.get('problems', 0):.0f} problems (weights v{m.get('min_weight_version', -1):.0f})")
         if p.eval_difference:
             d = p.eval_difference
