@@ -125,7 +125,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                                           "--queues", "eval", *config.executor_args], restart=service)
             tracker = _tracker(config, client, keys, task, namespace, out / "metrics")
             # the initial weights, before any trainer starts (one eval: every policy starts from them)
-            _wait_policy(client, keys, procs, config.base_policy(), 0, 300.0)
+            if _wait_policy(client, keys, procs, config.base_policy(), 0, 300.0) < 0:
+                raise RunFailed(f"policy {config.base_policy()} was not served within 300s: no eval before training")
             before = tracker.ask(config.base_policy(), "before", 0)
             _wait_evals(tracker, [before], procs)
         recorder = None
