@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-samples", type=int, default=None, help="samples per prompt")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--in-flight", type=int, default=None, help="async: requests in flight")
+    g.add_argument("--rollout-timeout-s", type=float, default=None,
+                   help=f"a request without a batch after this long is asked again (default {d.rollout_timeout_s:.0f}; "
+                        f"{MODEL_DEFAULTS['rollout_timeout_s']:.0f} with --model: a real model's rollout on a busy CPU "
+                        "can take minutes)")
     g.add_argument("--max-staleness", type=int, default=d.max_staleness)
     g.add_argument("--stale-policy", choices=STALE_POLICIES, default=d.stale_policy)
     g.add_argument("--lr", type=float, default=None)
@@ -143,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restarts each executor, trainer and the controller get before the run fails")
     x.add_argument("--log-events", default=None, metavar="FILE",
                    help="export the run's whole event log (payloads included) to FILE before Redis stops")
-    x.add_argument("--timeout-s", type=float, default=d.timeout_s)
+    x.add_argument("--timeout-s", type=float, default=None,
+                   help=f"the whole run's limit (default {d.timeout_s:.0f}; {MODEL_DEFAULTS['timeout_s']:.0f} with --model: "
+                        "held-out evals of 200 problems take minutes each on CPU)")
     x.add_argument("--no-progress", dest="progress", action="store_false")
     x.add_argument("--no-plot", dest="plot", action="store_false")
     x.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

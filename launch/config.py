@@ -30,6 +30,8 @@ class RunConfig:
     n_samples: int = 8
     max_new_tokens: int = 6
     in_flight: int = 2
+    rollout_timeout_s: float = 120.0
+    """A trainer's request without a batch after this long is asked again (its deadline: the executor gives up)."""
     max_staleness: int = 1
     stale_policy: str = "drop"
     lr: float = 5e-4
@@ -133,7 +135,8 @@ TINY_EVAL_GROUPS = 64
 
 MODEL_DEFAULTS: dict[str, Any] = {
     "steps": 12, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 1e-3, "in_flight": 2,
-    "engine_max_batch": 64, "temperature": 0.6,
+    "engine_max_batch": 64, "temperature": 0.6, "rollout_timeout_s": 600.0,
+    "timeout_s": 3600.0,
 }
 """What a HF-model run changes from ``RunConfig``'s defaults (tuned for SmolLM2-135M with LoRA on 2 CPU cores)."""
 MODEL_FULL_LR = 1e-5

@@ -387,6 +387,8 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--checkpoint-dir", str(checkpoint_dir), "--n-groups", str(config.n_groups),
             "--n-samples", str(config.n_samples), "--max-new-tokens", str(config.max_new_tokens),
             "--in-flight", str(config.in_flight), "--max-staleness", str(config.max_staleness),
+            "--rollout-timeout-s", str(config.rollout_timeout_s),
+            "--get-timeout-s", str(max(600.0, 2.5 * config.rollout_timeout_s)),  # past a re-ask or two
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
             "--std-normalise" if config.std_normalise else "--no-std-normalise",
             "--minibatches", str(config.minibatches), "--log-to", config.log_to,

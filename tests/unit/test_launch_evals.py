@@ -49,6 +49,9 @@ def test_a_model_run_evaluates_enough_problems_and_filters_groups_by_default() -
     assert not off.filters_groups() and _filter_args(off) == []
     assert not RunConfig().filters_groups()  # the tiny LM keeps every group unless asked
     assert config("--model", "smollm2", "--no-dynamic-sampling").dynamic_sampling is False
+    model, tiny = config("--model", "smollm2"), config()
+    assert (model.rollout_timeout_s, model.timeout_s) == (600.0, 3600.0)  # a real model's rollouts and evals on CPU
+    assert (tiny.rollout_timeout_s, tiny.timeout_s) == (120.0, 900.0)
 
 
 def test_the_trainers_ask_for_extra_groups_only_when_the_filter_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
