@@ -105,8 +105,9 @@ class EvalTracker:
                      point.policy, point.step, event.min_weight_version, event.max_weight_version,
                      event.metrics.get("accuracy", math.nan), event.metrics.get("accuracy_lo", math.nan),
                      event.metrics.get("accuracy_hi", math.nan), event.n_samples)
-            if point.policy in self.logs:
-                self.logs[point.policy].write(point)
+            # the initial weights' eval (the base pool's policy when every policy is an adapter) starts every log
+            for eval_log in [self.logs[point.policy]] if point.policy in self.logs else self.logs.values():
+                eval_log.write(point)
         return done
 
     def pending(self) -> list[EvalPoint]:

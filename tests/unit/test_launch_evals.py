@@ -117,3 +117,29 @@ def test_the_summary_counts_the_groups_the_filter_left_out_per_step(tmp_path, ke
     unfiltered.add_all([TrainStepDone(producer=steps[0].producer, policy="q", trainer_id="t", step=1,
                                       weight_version=1, metrics={"reward_mean": 0.5})])
     assert "groups_filtered" not in unfiltered.policy("q").to_dict()
+
+
+def test_an_eval_of_the_base_policy_starts_every_policys_eval_log(tmp_path, keys) -> None:  # type: ignore[no-untyped-def]
+    import fakeredis
+
+    from rollout_bus.events.publish import Publisher
+    from rollout_bus.events.schema import EvalCompleted, Producer
+    from rollout_bus.launch.evals import EvalLog, EvalTracker
+    from tests.support.metric_logs import jsonl_steps
+
+    client = fakeredis.FakeRedis()
+    asked: list[str] = []
+    logs = {p: EvalLog(tmp_path, f"run-{p}", p, ["jsonl"], group="run") for p in ("p0", "p1")}
+    tracker = EvalTracker(client, keys, lambda policy, rid: asked.append(rid), "run", logs=logs)
+    base = tracker.ask("base", "before", 0)
+    own = tracker.ask("p1", "during", 2)
+    producer = Publisher(client, keys, Producer("executor", "e0"))
+    for point, version in ((base, 0), (own, 2)):
+        producer.publish(keys.eval_stream, EvalCompleted(
+            producer=producer.producer, policy=point.policy, request_id=point.request_id, split="eval",
+            min_weight_version=version, max_weight_version=version, n_problems=2, n_samples=2,
+            metrics={"accuracy": 0.5, "accuracy_lo": 0.1, "accuracy_hi": 0.9}, problems=[[0, 1, 1], [1, 0, 1]]))
+    assert tracker.poll() == [base, own] and asked == [base.request_id, own.request_id]
+    tracker.close()
+    assert [(line["phase"], line["step"]) for line in jsonl_steps(logs["p0"].path)] == [("before", 0)]
+    assert [(line["phase"], line["step"]) for line in jsonl_steps(logs["p1"].path)] == [("before", 0), ("during", 2)]
