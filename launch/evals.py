@@ -71,6 +71,8 @@ class EvalTracker:
     """``(policy, request_id) -> None``: queue one eval request (``launch.job`` builds it)."""
     namespace: str
     logs: dict[str, EvalLog] = field(default_factory=dict)
+    timeout_s: float = 960.0
+    """How long ``launch.job`` waits for the evals it needs (the run's limit and a minute)."""
     points: dict[str, EvalPoint] = field(default_factory=dict)
     cursor: str = "0"
 
@@ -146,6 +148,7 @@ class EvalTracker:
                       key=lambda p: ({"before": 0, "during": 1, "after": 2}[p.phase], p.step))
 
     def close(self) -> None:
+        """Close every eval log (again: a no-op)."""
         for eval_log in self.logs.values():
             eval_log.close()
 

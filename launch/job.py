@@ -77,6 +77,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     client = connect(url)
     policies = config.policies()
     holding = False
+    tracker = None
     try:
         epoch = create_epoch(client, keys)  # before any role: each checks it, and so does _follow
         if config.model is not None:
@@ -117,7 +118,6 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                                           *(["--queues", "rollout"] if evals_on else []),
                                           *config.executor_args, *_metrics_args(ports, f"executor-{i}")],
                         restart=service)
-        tracker = None
         before = None
         if evals_on:  # an executor of their own: a training rollout never waits behind an eval job
             procs.start("executor-eval", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
@@ -154,7 +154,6 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             _wait_evals(tracker, [*tracker.pending(), *afters.values()], procs)
             for p in policies:
                 _fold_evals(runlog.policy(p), tracker, before, afters[p])
-            tracker.close()
         if recorder is not None:
             time.sleep(1.0)  # let the recorder catch up with the last batches
         wall_s = time.monotonic() - started
@@ -178,6 +177,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         return RunResult(config, {s.policy: s.to_dict() for s in summaries}, wall_s, out, namespace, text,
                          faults.to_dict())
     finally:
+        if tracker is not None:
+            tracker.close()  # the eval logs (a W&B run is finished)
         with signals_deferred():  # a second signal must not leave the run's processes behind
             _adopt_engines_quietly(client, keys, procs)
             procs.stop_all()
@@ -312,8 +313,6 @@ def _wait_policy(client: Any, keys: Any, procs: Any, policy: str, version: int, 
         time.sleep(0.1)
 
 
-EVAL_TIMEOUT_S = 600.0
-"""How long one eval request may take (its deadline); the run waits a minute longer for its result."""
 
 
 def _tracker(config: RunConfig, client: Any, keys: Any, task: dict[str, Any], namespace: str,
@@ -337,7 +336,8 @@ def _tracker(config: RunConfig, client: Any, keys: Any, task: dict[str, Any], na
 
     def submit(policy: str, request_id: str) -> None:
         submitter.submit(RolloutRequest.create(
-            policy, 0, n, config.eval_samples, timeout_s=EVAL_TIMEOUT_S, eval=True, request_id=request_id,
+            # its deadline is the run's own: evals queue behind one another on their executor
+            policy, 0, n, config.eval_samples, timeout_s=config.timeout_s, eval=True, request_id=request_id,
             data={**task, "split": "eval", "size": n},
             sampling=SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
                                     stop_token_ids=stop)))
@@ -346,7 +346,7 @@ def _tracker(config: RunConfig, client: Any, keys: Any, task: dict[str, Any], na
                        config={"eval_problems": n, "eval_samples": config.eval_samples, "eval_every": config.eval_every,
                                "task": task})
             for p in config.policies()}
-    return EvalTracker(client, keys, submit, namespace, logs=logs)
+    return EvalTracker(client, keys, submit, namespace, logs=logs, timeout_s=config.timeout_s + 60.0)
 
 
 def _wait_evals(tracker: Any, points: list[Any], procs: Any) -> None:
@@ -359,7 +359,7 @@ def _wait_evals(tracker: Any, points: list[Any], procs: Any) -> None:
     from rollout_bus.launch.evals import EvalFailed
 
     try:
-        tracker.wait(points, EVAL_TIMEOUT_S + 60.0, supervise)
+        tracker.wait(points, tracker.timeout_s, supervise)
     except EvalFailed as exc:
         raise RunFailed(str(exc)) from None
 
