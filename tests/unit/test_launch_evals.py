@@ -143,3 +143,34 @@ def test_an_eval_of_the_base_policy_starts_every_policys_eval_log(tmp_path, keys
     tracker.close()
     assert [(line["phase"], line["step"]) for line in jsonl_steps(logs["p0"].path)] == [("before", 0)]
     assert [(line["phase"], line["step"]) for line in jsonl_steps(logs["p1"].path)] == [("before", 0), ("during", 2)]
+
+
+def test_each_eval_goes_to_tensorboard_and_wandb_beside_the_trainers_run(tmp_path, keys,  # type: ignore[no-untyped-def]
+                                                                         monkeypatch) -> None:
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'rollout-bus[wandb]')")
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    from pathlib import Path
+
+    from rollout_bus.events.schema import EvalCompleted, Producer
+    from rollout_bus.launch.evals import EvalLog, EvalPoint
+    from tests.support.metric_logs import tensorboard_run, wandb_history
+
+    eval_log = EvalLog(tmp_path, "exp-p0", "p0", ["jsonl", "tensorboard", "wandb"], group="exp")
+    for step, accuracy in ((0, 0.25), (2, 0.5)):
+        point = EvalPoint("p0", "before" if step == 0 else "during", step, f"r{step}")
+        point.event = EvalCompleted(producer=Producer("executor", "e"), policy="p0", request_id=f"r{step}",
+                                    split="eval", min_weight_version=step, max_weight_version=step, n_problems=4,
+                                    n_samples=4, metrics={"accuracy": accuracy, "accuracy_lo": 0.1,
+                                                          "accuracy_hi": 0.9, "reward_mean": accuracy})
+        eval_log.write(point)
+    eval_log.close()
+    outputs = eval_log.outputs
+    assert outputs["tensorboard"] == tmp_path / "tensorboard" / "exp-p0" / "eval"  # the run's eval sub-run
+    tb = tensorboard_run(Path(outputs["tensorboard"]))
+    assert [(e.step, e.value) for e in tb.Scalars("eval/accuracy")] == [(0, 0.25), (2, 0.5)]
+    assert [e.value for e in tb.Scalars("eval/accuracy_hi")] == pytest.approx([0.9, 0.9])
+    info, rows = wandb_history(Path(outputs["wandb"]))
+    assert (info["name"], info["group"]) == ("exp-p0-eval", "exp")
+    assert [(row["_step"], row["eval/accuracy"]) for row in rows] == [(0, 0.25), (2, 0.5)]
