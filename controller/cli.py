@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engines of the base policy (adapter policies are served on them too)")
     p.add_argument("--pool", action="append", default=[], dest="pools", metavar="POLICY=N",
                    help="N more engines whose base weights are the full-weight policy POLICY (repeatable)")
+    p.add_argument("--eval-engines", type=int, default=d.eval_engines, metavar="K",
+                   help="K more base-pool engines kept on the newest weights for eval requests alone (executors "
+                        "never send them a training rollout)")
     p.add_argument("--model-path", default=d.model_path)
     p.add_argument("--engine-host", default=d.engine_host,
                    help="where launched engines listen (default: 127.0.0.1 when everything is on this host, "

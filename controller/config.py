@@ -75,6 +75,9 @@ class ControllerConfig:
     """Engines of the base policy's pool (adapter policies are served on them too)."""
     pools: list[str] = field(default_factory=list)
     """More pools, ``POLICY=NUM_ENGINES``: engines whose base weights are that full-weight policy's."""
+    eval_engines: int = 0
+    """Engines of the eval pool: base-pool engines (kept on the newest weights, adapters included) that
+    register with role ``eval``, so executors send them eval requests and never a training rollout."""
     model_path: str = ""
     engine_host: str = ""
     """Where launched engines listen; "" (auto): 127.0.0.1 when ``advertise_host`` is a loopback address
@@ -159,7 +162,7 @@ class ControllerConfig:
 
     @property
     def total_engines(self) -> int:
-        return self.num_engines + sum(self.pool_sizes().values()) + len(self.adopt_urls)
+        return self.num_engines + sum(self.pool_sizes().values()) + self.eval_engines + len(self.adopt_urls)
 
     def pool_sizes(self) -> dict[str, int]:
         """The extra full-weight pools, policy -> number of engines."""
@@ -171,12 +174,18 @@ class ControllerConfig:
 
     def expected_engines(self, sizes: dict[str, int] | None = None) -> dict[str, str]:
         """Engine id -> base policy of every engine to launch: ``engine-<i>`` for the base pool,
-        ``engine-<policy>-<i>`` for the others; ``sizes`` (policy -> engines) replaces the configured ones."""
+        ``engine-<policy>-<i>`` for the others, ``engine-eval-<i>`` for the eval pool (on the base policy, never
+        scaled); ``sizes`` (policy -> engines) replaces the configured ones."""
         sizes = {**self.sizes(), **(sizes or {})}
         out: dict[str, str] = {}
         for policy, count in sizes.items():
             out.update({engine_id(self.base_policy, policy, i): policy for i in range(count)})
+        out.update({eval_id: self.base_policy for eval_id in self.eval_engine_ids()})
         return out
+
+    def eval_engine_ids(self) -> list[str]:
+        """The engines of the eval pool: registered with role ``eval``, used by eval requests alone."""
+        return [f"engine-eval-{i}" for i in range(self.eval_engines)]
 
     def max_sizes(self) -> dict[str, int]:
         """The most engines each pool may be scaled to (``max_engines``, or its ``max_pools`` entry)."""
@@ -247,9 +256,13 @@ class ControllerConfig:
             problems.append(f"pause_mode {self.pause_mode!r} is not one of {list(PAUSE_MODES)}")
         if self.num_engines < 0:
             problems.append(f"num_engines must be >= 0, got {self.num_engines}")
+        if self.eval_engines < 0:
+            problems.append(f"eval_engines must be >= 0, got {self.eval_engines}")
+        elif self.eval_engines and self.num_engines + sum(pools.values()) + len(self.adopt_urls) == 0:
+            problems.append("eval engines alone serve no training: give num_engines >= 1 as well")
         if self.num_engines + sum(pools.values()) + len(self.adopt_urls) == 0:
             problems.append("nothing to manage: give num_engines >= 1 or at least one adopt URL")
-        launched = self.num_engines + sum(pools.values())
+        launched = self.num_engines + sum(pools.values()) + max(self.eval_engines, 0)
         if launched > 0 and not self.model_path:
             problems.append("model_path is required to launch engines")
         elif launched > 0 and self.backend == "cpu" and not os.path.isdir(self.model_path):

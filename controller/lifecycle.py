@@ -86,7 +86,8 @@ class Lifecycle:
         record = EngineRecord(engine_id=engine_id, url=url, state=state,
                               backend=cfg.backend if managed else "external", managed=managed,
                               pause_mode=cfg.pause_mode, base_policy=base_policy,
-                              pid=process.pid if process else None)
+                              pid=process.pid if process else None,
+                              role="eval" if engine_id in cfg.eval_engine_ids() else "train")
         handle = EngineHandle(record, self.core.engine_client(url), process)
         self.core.engines[engine_id] = handle
         self.core.refresh_state_metrics()

@@ -153,9 +153,10 @@ def controller() -> Role:
 def executor() -> Role:
     k = _K
     return Role("executor", "EXECUTOR_PASSWORD", (
-        *_publisher((k.rollout_stream, k.batch_stream(_ANY)),
-                    (_stream_any(k.rollout_stream), _stream_any(k.batch_stream(_ANY))),
-                    "rollout outcomes (executor/service.py, executor/jobs.py), batches (events/batches.py)"),
+        *_publisher((k.rollout_stream, k.batch_stream(_ANY), k.eval_stream),
+                    (_stream_any(k.rollout_stream), _stream_any(k.batch_stream(_ANY)), _stream_any(k.eval_stream)),
+                    "rollout outcomes (executor/service.py, executor/jobs.py), batches (events/batches.py), "
+                    "held-out evaluations (executor/service.py)"),
         Grant((_pattern(k.payload(_ANY)), _pattern(k.payload_readers(_ANY))), ("set", "del", "sadd", "expire"),
               "batch payloads and their readers (events/payload/redis.py, events/batches.py)"),
         Grant((_pattern(k.payload_index),), ("zadd", "zrem"), "the payload index (events/batches.py)"),

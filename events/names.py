@@ -149,9 +149,15 @@ class Keys:
         """Fleet scaling decisions with their inputs (``ExecutorsScaled``, written by the run's autoscaler)."""
         return self._k("stream", "scaling")
 
+    @property
+    def eval_stream(self) -> str:
+        """Held-out evaluations of a policy's weights (``EvalCompleted``, from the executors)."""
+        return self._k("stream", "evals")
+
     def event_streams(self) -> list[str]:
         return [self.engine_stream, self.weight_stream, self.command_stream, self.rollout_stream,
-                self.trainer_stream, self.housekeeping_stream, self.session_stream, self.scaling_stream]
+                self.trainer_stream, self.housekeeping_stream, self.session_stream, self.scaling_stream,
+                self.eval_stream]
 
     # --- keys ------------------------------------------------------------------------
     def dedupe(self, stream: str, key: str) -> str:
@@ -300,6 +306,7 @@ def _fixed_streams(keys: Keys) -> dict[str, str]:
         "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
         "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
         "housekeeping": keys.housekeeping_stream, "sessions": keys.session_stream, "scaling": keys.scaling_stream,
+        "evals": keys.eval_stream,
     }
 
 

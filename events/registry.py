@@ -121,6 +121,14 @@ class EngineRecord:
     updated_ms: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
     generate_url: str = ""
     """Where executors send ``/generate`` when not to ``url`` (an SGLang engine behind its fence guard)."""
+    role: str = "train"
+    """``eval``: an engine of the eval pool (``--eval-engines``), kept on the newest weights like any other but
+    used by eval requests alone; anything else: an engine for every request."""
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the engine is kept for eval requests (training rollouts never use it)."""
+        return self.role == "eval"
 
     def serves(self, policy: str) -> bool:
         return (self.state == EngineState.SERVING and policy in self.versions

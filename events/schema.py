@@ -412,6 +412,30 @@ class TrainStepDone(Event):
     """Free-form step metrics; ``staleness_n<k>`` counts the step's samples ``k`` versions behind."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalCompleted(Event):
+    """A held-out evaluation of ``policy`` (an eval request, ``RolloutRequest.eval``), scored by an executor.
+
+    ``metrics`` holds the sample figures (``reward_mean``, ``correct_frac``...) and each share with its 95%
+    Wilson interval (``accuracy``, ``accuracy_lo``, ``accuracy_hi``; ``pass_at_n`` likewise, over problems).
+    ``problems`` is ``[index, correct, samples]`` per problem, so two evals of the same problems can be
+    compared pairwise. ``min_weight_version`` and ``max_weight_version`` are the versions the samples came from.
+    """
+
+    policy: str
+    request_id: str
+    split: str
+    min_weight_version: int
+    max_weight_version: int
+    n_problems: int
+    n_samples: int
+    metrics: dict[str, float]
+    problems: list[list[int]] = field(default_factory=list)
+    engine_ids: list[str] = field(default_factory=list)
+    """The engines that generated the samples."""
+    since_version: ClassVar[int] = 2
+
+
 STALENESS_PREFIX = "staleness_n"
 """``TrainStepDone.metrics`` key prefix of the staleness histogram (``staleness_n0``, ``staleness_n1``...)."""
 

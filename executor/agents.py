@@ -224,7 +224,7 @@ def fill_sample(sample: Sample, state: dict[str, Any], *, episode_s: float = 0.0
         "tool_calls": sum(len(turn["reply"].get("tool_calls") or []) for turn in turns),
         "generation_s": sum(float(turn["gen_ms"]) for turn in turns) / 1000,
         "environment_s": sum(float(turn["env_ms"]) for turn in turns) / 1000,
-        "engine_switches": state["switches"], "engine_ids": engines, "attempt": state["attempt"],
+        "engine_switches": state["switches"], "engine_ids": engines, "engines": engines, "attempt": state["attempt"],
         "engine_calls": state["engine_calls"], "engine_tokens": state["engine_tokens"],
         "digest": trajectory_digest(t), "episode_s": round(episode_s, 3),
     })

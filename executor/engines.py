@@ -2,7 +2,9 @@
 
 The router reads the controller's registry (a snapshot refreshed every ``refresh_s``) and
 picks, among the engines *serving* the policy, the one with the least load: the load the
-registry reports plus this executor's own calls in flight there. Engines whose weights
+registry reports plus this executor's own calls in flight there. Engines of the eval pool
+(``EngineRecord.evaluates``) serve eval requests alone: a training call never takes one, and an
+eval call takes one whenever one serves the policy. Engines whose weights
 are being updated for the policy (``updating``) are used only when no other engine
 serves it; an engine that failed a call is left alone for ``cooldown_s``.
 
@@ -113,19 +115,27 @@ class EngineRouter:
                     self._read_at, self._generation = now, generation
         return self._records
 
-    def choose(self, records: Sequence[EngineRecord], policy: str, avoid: set[str]) -> EngineRecord | None:
+    def choose(self, records: Sequence[EngineRecord], policy: str, avoid: set[str], *,
+               evaluating: bool = False) -> EngineRecord | None:
+        """The engine for one call: a training call never takes an eval engine (``EngineRecord.evaluates``);
+        an eval call takes one when any serves the policy, else any engine."""
         now = time.monotonic()
         serving = [r for r in records if r.serves(policy) and self._cooling.get(r.engine_id, 0.0) <= now]
+        if evaluating:
+            serving = [r for r in serving if r.evaluates] or serving
+        else:
+            serving = [r for r in serving if not r.evaluates]
         fresh = [r for r in serving if r.engine_id not in avoid] or serving
         steady = [r for r in fresh if policy not in r.updating] or fresh
         if not steady:
             return None
         return min(steady, key=lambda r: (r.load + self.in_flight.get(r.engine_id, 0), random.random()))
 
-    async def acquire(self, policy: str, *, deadline: float | None, avoid: set[str]) -> EngineRecord:
+    async def acquire(self, policy: str, *, deadline: float | None, avoid: set[str],
+                      evaluating: bool = False) -> EngineRecord:
         """An engine for one call (its in-flight count taken); waits up to ``deadline`` (monotonic)."""
         started = time.monotonic()
-        record = self.choose(await self.snapshot(), policy, avoid)
+        record = self.choose(await self.snapshot(), policy, avoid, evaluating=evaluating)
         if record is None:
             self.starved_since.setdefault(policy, started)
         while record is None:
@@ -135,7 +145,7 @@ class EngineRouter:
                                       f"(waited {now - started:.1f}s)")
             pause = self.config.wait_poll_s if deadline is None else min(self.config.wait_poll_s, deadline - now)
             await asyncio.sleep(max(pause, 0.0))
-            record = self.choose(await self.snapshot(force=True), policy, avoid)
+            record = self.choose(await self.snapshot(force=True), policy, avoid, evaluating=evaluating)
         self.starved_since.pop(policy, None)
         self.in_flight[record.engine_id] = self.in_flight.get(record.engine_id, 0) + 1
         return record
@@ -169,7 +179,7 @@ class EngineCaller:
         self.config = router.config
 
     async def generate(self, policy: str, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
-                       rid: str, deadline: float | None, timer: EngineTime) -> Generation:
+                       rid: str, deadline: float | None, timer: EngineTime, evaluating: bool = False) -> Generation:
         max_new = int(sampling_params.get("max_new_tokens", 1))
         out_ids: list[int] = []
         log_probs: list[float] = []
@@ -178,7 +188,7 @@ class EngineCaller:
         avoid: set[str] = set()
         calls = failovers = aborts = 0
         while True:
-            record = await self.router.acquire(policy, deadline=deadline, avoid=avoid)
+            record = await self.router.acquire(policy, deadline=deadline, avoid=avoid, evaluating=evaluating)
             params = {**sampling_params, "max_new_tokens": max_new - len(out_ids)}
             timeout = self.config.call_timeout_s
             if deadline is not None:

@@ -33,7 +33,7 @@ class GenerateContext:
                        rid: str) -> Generation:
         return await self.caller.generate(
             self.request.policy, input_ids, sampling_params or self.sampling_params, rid=rid,
-            deadline=self.deadline, timer=self.timer)
+            deadline=self.deadline, timer=self.timer, evaluating=self.request.eval)
 
 
 async def single_turn(ctx: GenerateContext, sample: Sample) -> Sample:
@@ -43,4 +43,5 @@ async def single_turn(ctx: GenerateContext, sample: Sample) -> Sample:
     sample.metadata["engine_calls"] = gen.calls
     sample.metadata["failovers"] = gen.failovers
     sample.metadata["aborts"] = gen.aborts
+    sample.metadata["engines"] = list(gen.engine_ids)
     return sample

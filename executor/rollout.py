@@ -23,7 +23,7 @@ from typing import Any
 from rollout_bus.events.rollouts import RolloutRequest
 from rollout_bus.events.train_data import TrainData
 from rollout_bus.executor.agents import split_turns
-from rollout_bus.executor.convert import pass_at_n, sample_metrics, to_train_data
+from rollout_bus.executor.convert import is_correct, pass_at_n, sample_metrics, to_train_data
 from rollout_bus.executor.cursor import CursorStore, Item
 from rollout_bus.executor.engines import EngineCaller, EngineTime
 from rollout_bus.executor.errors import (
@@ -37,6 +37,7 @@ from rollout_bus.executor.errors import (
 from rollout_bus.executor.generate import GenerateContext
 from rollout_bus.executor.plugins import DataSource, FilterResult, Plugins
 from rollout_bus.executor.sample import Sample
+from rollout_bus.tasks.stats import wilson
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ class RolloutOutcome:
     used_indices: list[int]
     """Prompt indices consumed (kept or filtered out); the rest of the reservations go back."""
     metrics: dict[str, float] = field(default_factory=dict)
+    problems: list[list[int]] = field(default_factory=list)
+    """Eval requests: ``[index, right answers, samples]`` per problem (``convert.is_correct``)."""
+    engine_ids: list[str] = field(default_factory=list)
+    """The engines that generated the samples (as the generate plug-in recorded them)."""
 
 
 @dataclass
@@ -126,8 +131,9 @@ class RolloutRunner:
         kept.sort(key=lambda g: int(g.item["index"]))
         samples = split_turns([s for g in kept for s in g.samples])
         metrics = sample_metrics(samples)
-        metrics.update(groups_drawn=float(drawn), groups_kept=float(len(kept)),
-                       groups_filtered=float(sum(reasons.values())), sampling_rounds=float(rounds))
+        metrics.update(groups_drawn=float(drawn), groups_kept=float(len(kept)), sampling_rounds=float(rounds))
+        if self.plugins.filter is not None:  # only a filter leaves groups out
+            metrics["groups_filtered"] = float(sum(reasons.values()))
         metadata = {
             "policy": request.policy, "request_id": request.request_id, "rollout_id": request.rollout_id,
             "n_groups": len(kept), "n_groups_requested": request.n_groups,
@@ -135,6 +141,7 @@ class RolloutRunner:
             "prompt_indices": [int(g.item["index"]) for g in kept],
             "consumed_indices": sorted(used), "filtered": dict(reasons),
             "labels": [g.item.get("label") for g in kept], "metrics": metrics,
+            "engine_ids": engines_of(samples),
         }
         sessions = session_records(samples)
         if sessions:
@@ -149,10 +156,14 @@ class RolloutRunner:
         groups = self._groups(items, ctx.request)
         async with aclosing(self._completed(ctx, groups, apply_filter=False)) as finished:
             done = [g async for g in finished]
+        done.sort(key=lambda g: int(g.item["index"]))
         samples = [s for g in done for s in g.samples]
         metrics = sample_metrics(samples)
-        metrics["pass_at_n"] = pass_at_n([g.samples for g in done])
-        return RolloutOutcome(None, [], metrics)
+        problems = [[int(g.item["index"]), sum(is_correct(s) for s in g.samples), len(g.samples)] for g in done]
+        metrics.update(wilson(sum(p[1] for p in problems), len(samples)).to_dict("accuracy"))
+        solved = pass_at_n([g.samples for g in done])
+        metrics.update(wilson(round(solved * len(done)), len(done)).to_dict("pass_at_n"))
+        return RolloutOutcome(None, [], metrics, problems, engines_of(samples))
 
     # --- groups -----------------------------------------------------------------------------
     async def _completed(self, ctx: GenerateContext, groups: Sequence[_Group], *,
@@ -273,6 +284,11 @@ def session_records(samples: Sequence[Sample]) -> list[dict[str, Any]]:
     ``sessions``, which ``replay verify`` checks against the sessions stream)."""
     return [{"index": s.index, **{k: s.metadata[k] for k in SESSION_FIELDS if k in s.metadata}}
             for s in samples if "session_id" in s.metadata]
+
+
+def engines_of(samples: Sequence[Sample]) -> list[str]:
+    """The engine ids the samples were generated on (``sample.metadata["engines"]``), sorted, each once."""
+    return sorted({str(e) for s in samples for e in s.metadata.get("engines") or () if isinstance(e, str)})
 
 
 def first_error(group_error: BaseExceptionGroup[Any]) -> BaseException:

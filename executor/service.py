@@ -32,7 +32,7 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import Registry
 from rollout_bus.events.rollouts import RolloutRequest
-from rollout_bus.events.schema import Producer, RolloutCompleted, RolloutStarted
+from rollout_bus.events.schema import EvalCompleted, Producer, RolloutCompleted, RolloutStarted
 from rollout_bus.events.submit import queue_name, registry_policies
 from rollout_bus.executor import jobs
 from rollout_bus.executor.agents import AgentRunner
@@ -224,7 +224,23 @@ class ExecutorService:
                        outside_engine_frac=max(0.0, 1.0 - timer.busy_s / wall_s) if wall_s > 0 else 0.0,
                        prepare_s=prepared - started, rollout_s=generated - prepared, publish_s=finished - generated)
         self.metrics.job_done(metrics, n_samples, outcome.train_data)
+        if request.eval:
+            self._eval_completed(request, outcome.problems, outcome.engine_ids, metrics)
         return self._completed(request, batch_id, n_samples, metrics, started, attempt)
+
+    def _eval_completed(self, request: RolloutRequest, problems: list[list[int]], engine_ids: list[str],
+                        metrics: dict[str, float]) -> None:
+        """``EvalCompleted`` on the eval stream: the metrics with their intervals and the per-problem counts."""
+        assert self.publisher is not None
+        split = request.data.get("split", "eval")
+        self.publisher.publish(self.keys.eval_stream, EvalCompleted(
+            producer=self.producer, policy=request.policy, request_id=request.request_id,
+            split=split[:32] if isinstance(split, str) else "eval",
+            min_weight_version=int(metrics.get("min_weight_version", -1)),
+            max_weight_version=int(metrics.get("max_weight_version", -1)), n_problems=len(problems),
+            n_samples=int(sum(p[2] for p in problems)), metrics=metrics, problems=problems,
+            engine_ids=engine_ids),
+            idempotency_key=f"{request.request_id}:eval")
 
     def _completed(self, request: RolloutRequest, batch_id: str, n_samples: int, metrics: dict[str, float],
                    started: float, attempt: int) -> dict[str, Any]:

@@ -40,14 +40,24 @@ from rollout_bus.launch.config import (
     DEFAULT_LORA,
     LOG_BACKENDS,
     MODEL_DEFAULTS,
+    MODEL_EVAL_GROUPS,
     MODEL_FULL_LR,
     MODEL_TASK,
     MODES,
     STALE_POLICIES,
+    TINY_EVAL_GROUPS,
     RunConfig,
     RunFailed,
+    parse_eval_every,
 )
 from rollout_bus.trainer.config import LogConfig, log_problems, parse_log_to
+
+
+def _eval_every(value: str) -> int:
+    try:
+        return parse_eval_every(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-samples", type=int, default=None, help="samples per prompt")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--in-flight", type=int, default=None, help="async: requests in flight")
+    g.add_argument("--rollout-timeout-s", type=float, default=None,
+                   help=f"a request without a batch after this long is asked again (default {d.rollout_timeout_s:.0f}; "
+                        f"{MODEL_DEFAULTS['rollout_timeout_s']:.0f} with --model: a real model's rollout on a busy CPU "
+                        "can take minutes)")
     g.add_argument("--max-staleness", type=int, default=d.max_staleness)
     g.add_argument("--stale-policy", choices=STALE_POLICIES, default=d.stale_policy)
     g.add_argument("--lr", type=float, default=None)
@@ -110,9 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     m.add_argument("--task", default="{}", help="JSON options of tasks.math_words.MathWordsSource over the defaults "
                                                 f"{json.dumps(MODEL_TASK)}")
-    m.add_argument("--eval-groups", type=int, default=d.eval_groups,
-                   help="held-out problems scored before and after training (0: none)")
-    m.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per held-out problem")
+    m.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=None,
+                   help="executors leave out prompt groups whose rewards are all equal (no advantage: DAPO's filter) "
+                        "and draw half again as many prompts per round to fill the batch (default: on with --model, "
+                        "off for the tiny LM); the summary counts the groups left out per step")
+    e = p.add_argument_group("held-out evals (the eval split, the same problems each time, on an executor of their "
+                             "own: training never waits for them)")
+    e.add_argument("--eval-every", type=_eval_every, default=d.eval_every, metavar="N",
+                   help="also evaluate every N trainer steps during the run (default 0: before and after only)")
+    e.add_argument("--eval-groups", type=int, default=None,
+                   help=f"held-out problems per eval (0: none; default {MODEL_EVAL_GROUPS} with --model, "
+                        f"{TINY_EVAL_GROUPS} for the tiny LM with --eval-every, else none)")
+    e.add_argument("--eval-samples", type=int, default=d.eval_samples, help="samples per held-out problem")
+    e.add_argument("--eval-engines", type=int, default=d.eval_engines, metavar="K",
+                   help="K engines of their own for the evals, kept on the newest weights by the controller and never "
+                        "used by training rollouts (default 0: evals share the training engines)")
     a = p.add_argument_group("agents (multi-turn episodes through the session gateway)")
     a.add_argument("--agent", default=None, choices=sorted(AGENTS),
                    help="play this multi-turn environment instead of the single-turn task (tiny LM or --model)")
@@ -132,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restarts each executor, trainer and the controller get before the run fails")
     x.add_argument("--log-events", default=None, metavar="FILE",
                    help="export the run's whole event log (payloads included) to FILE before Redis stops")
-    x.add_argument("--timeout-s", type=float, default=d.timeout_s)
+    x.add_argument("--timeout-s", type=float, default=None,
+                   help=f"the whole run's limit (default {d.timeout_s:.0f}; {MODEL_DEFAULTS['timeout_s']:.0f} with --model: "
+                        "held-out evals of 200 problems take minutes each on CPU)")
     x.add_argument("--no-progress", dest="progress", action="store_false")
     x.add_argument("--no-plot", dest="plot", action="store_false")
     x.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -178,8 +206,17 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
         problems.append("--full needs --model (the tiny LM always trains full weights)")
     if config.agent is not None and config.task:
         problems.append("--task sets the word-problem task; an --agent run plays its own environment")
-    if config.eval_groups < 0 or config.eval_samples < 1:
+    if (config.eval_groups is not None and config.eval_groups < 0) or config.eval_samples < 1:
         problems.append("--eval-groups must be >= 0 and --eval-samples >= 1")
+    if config.eval_engines < 0:
+        problems.append("--eval-engines must be >= 0")
+    elif config.eval_engines and config.eval_problems() == 0:
+        problems.append("--eval-engines needs evals: give --eval-every or --eval-groups (or --model)")
+    if config.eval_every and config.eval_problems() == 0:
+        problems.append("--eval-every needs held-out problems: give --eval-groups N with N >= 1")
+    if config.eval_every >= config.steps > 0 and config.eval_every:
+        problems.append(f"--eval-every {config.eval_every} is not below --steps {config.steps}: no eval would run "
+                        "during training (the evals before and after always run)")
     if config.restart_budget < 0:
         problems.append("--restart-budget must be >= 0")
     n_ports = config.executor_slots() + config.trainers + 2

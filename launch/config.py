@@ -9,7 +9,8 @@ from typing import Any
 from rollout_bus.launch.autoscale import ScalePolicy
 from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES
 
-__all__ = ["AGENTS", "DEFAULT_LORA", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK", "MODES", "STALE_POLICIES", "RunConfig",
+__all__ = ["AGENTS", "DEFAULT_LORA", "due_steps", "parse_eval_every", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK",
+           "MODES", "STALE_POLICIES", "RunConfig",
            "RunFailed", "RunResult", "metrics_ports"]
 
 
@@ -36,6 +37,8 @@ class RunConfig:
     n_samples: int = 8
     max_new_tokens: int = 6
     in_flight: int = 2
+    rollout_timeout_s: float = 120.0
+    """A trainer's request without a batch after this long is asked again (its deadline: the executor gives up)."""
     max_staleness: int = 1
     stale_policy: str = "drop"
     lr: float = 5e-4
@@ -59,9 +62,20 @@ class RunConfig:
     micro_batch_size: int = 4
     task: dict[str, Any] = field(default_factory=dict)
     """``tasks.math_words.MathWordsSource`` options over ``MODEL_TASK`` (steps, numbers, answer form, credits)."""
-    eval_groups: int = 24
-    """Held-out (eval split) problems scored before and after training; 0: no eval."""
-    eval_samples: int = 2
+    eval_groups: int | None = None
+    """Held-out (eval split) problems scored before and after training (and every ``eval_every`` steps); 0: no
+    eval. None: ``MODEL_EVAL_GROUPS`` with a HF model, ``TINY_EVAL_GROUPS`` for the tiny LM with ``eval_every``,
+    else none (see ``eval_problems``)."""
+    eval_samples: int = 1
+    """Samples per held-out problem."""
+    eval_every: int = 0
+    """Also evaluate every N trainer steps during the run (0: before and after only); never blocks training."""
+    eval_engines: int = 0
+    """Engines of their own for the evals (``rollout-bus controller --eval-engines``): base-pool engines the
+    controller keeps on the newest weights, which training rollouts never use. 0: evals share the engines."""
+    dynamic_sampling: bool | None = None
+    """Executors leave out prompt groups whose rewards are all equal (DAPO's filter) and draw more prompts
+    (``over_sample_groups``) to fill the batch. None: on with a HF model, off for the tiny LM."""
     agent: str | None = None
     """A multi-turn environment played through the session gateway (a name in ``AGENTS``) instead of the
     single-turn task; each sample is one episode."""
@@ -103,6 +117,22 @@ class RunConfig:
             return None
         return self.lora or DEFAULT_LORA
 
+    def eval_problems(self) -> int:
+        """Held-out problems per eval (0: no evals); see ``eval_groups``."""
+        if self.eval_groups is not None:
+            return self.eval_groups
+        if self.model is not None:
+            return MODEL_EVAL_GROUPS
+        return TINY_EVAL_GROUPS if self.eval_every else 0
+
+    def filters_groups(self) -> bool:
+        """Whether the executors run the all-equal-rewards group filter with over-sampling."""
+        return self.model is not None if self.dynamic_sampling is None else self.dynamic_sampling
+
+    def over_sample_groups(self) -> int:
+        """Prompt groups drawn per sampling round when the filter is on: half again as many as kept."""
+        return self.n_groups + max(1, self.n_groups // 2)
+
     def base_policy(self) -> str:
         """The policy of the base engine pool: the first trainer's, or ``base`` when every policy is an adapter."""
         return "base" if self.lora_spec() else self.policies()[0]
@@ -110,9 +140,17 @@ class RunConfig:
 
 DEFAULT_LORA = "8,16"
 
+MODEL_EVAL_GROUPS = 200
+"""Held-out problems per eval of a HF-model run: the paired before/after interval of 200 problems excludes 0 for
+a true 10-point change while fewer than about half of the problems change their answer (``tasks.stats``), and
+the Wilson interval of one eval is at most +-6.8 points (at 50%)."""
+TINY_EVAL_GROUPS = 64
+"""Held-out problems per eval of the tiny LM's run when it evaluates (``eval_every``)."""
+
 MODEL_DEFAULTS: dict[str, Any] = {
     "steps": 12, "n_groups": 4, "n_samples": 4, "max_new_tokens": 48, "lr": 1e-3, "in_flight": 2,
-    "engine_max_batch": 64, "temperature": 0.6,
+    "engine_max_batch": 64, "temperature": 0.6, "rollout_timeout_s": 600.0,
+    "timeout_s": 3600.0,
 }
 """What a HF-model run changes from ``RunConfig``'s defaults (tuned for SmolLM2-135M with LoRA on 2 CPU cores)."""
 MODEL_FULL_LR = 1e-5
@@ -139,6 +177,25 @@ real model (``--model``). ``verifiers-guess`` is the same game written as a ``ve
 (``tasks.verifiers_env``), run unchanged through the gateway."""
 AGENT_CONTEXT = 512
 """The tiny LM of an agent run is a fresh one with this context (the warm-started one has 64 positions)."""
+
+
+def parse_eval_every(value: str) -> int:
+    """``--eval-every N``: a held-out eval every N trainer steps (0: only before and after)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"--eval-every must be a whole number of trainer steps, got {value!r}") from None
+    if n < 0:
+        raise ValueError(f"--eval-every must be >= 0 (0: before and after training only), got {n}")
+    return n
+
+
+def due_steps(eval_every: int, steps: int) -> list[int]:
+    """The trainer steps after which an eval is asked for during the run: every ``eval_every``-th, before the
+    last one (the eval after training covers it)."""
+    if eval_every <= 0:
+        return []
+    return list(range(eval_every, steps, eval_every))
 
 
 def metrics_ports(config: RunConfig) -> dict[str, int]:

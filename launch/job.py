@@ -79,6 +79,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     client = connect(url)
     policies = config.policies()
     holding = False
+    tracker = None
     try:
         epoch = create_epoch(client, keys)  # before any role: each checks it, and so does _follow
         if config.agent is not None:
@@ -110,13 +111,18 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             "--num-engines", str(config.engines), "--model-path", str(init), "--weights-root", str(weights_root),
             "--base-policy", config.base_policy(), "--seed", str(config.seed), "--log-dir", str(out / "logs"),
             *_pool_args(config), "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
+            *(["--eval-engines", str(config.eval_engines)] if config.eval_engines else []),
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
             *_janitor_args(config), *_health_args(config), *(["--colocate"] if config.colocate else []),
             *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
-        def start_executor(i: int) -> Any:
+        evals_on = config.eval_problems() > 0
+        tracker = None
+
+        def start_executor(i: int) -> Any:  # with evals, these serve training rollouts alone
             return procs.start(f"executor-{i}", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
                                                  "--index", str(i), *_task_args(config, init, task),
+                                                 *_filter_args(config), *(["--queues", "rollout"] if evals_on else []),
                                                  *config.executor_args, *_metrics_args(ports, f"executor-{i}")],
                                restart=service)
 
@@ -127,11 +133,17 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         else:
             for i in range(config.executors):
                 start_executor(i)
-        evals: dict[str, dict[str, dict[str, float]]] = {p: {} for p in policies}
-        if config.model is not None and config.eval_groups > 0:  # the initial weights, before any trainer starts
-            before = _evaluate(config, client, keys, procs, config.base_policy(), 0, task, "before", namespace)
-            for p in policies:
-                evals[p]["before"] = before
+        before = None
+        if evals_on:  # an executor of their own: a training rollout never waits behind an eval job
+            procs.start("executor-eval", [*ROLE, "executor", "--redis-url", url, "--namespace", namespace,
+                                          "--index", str(config.executor_slots()), *_task_args(config, init, task),
+                                          "--queues", "eval", *config.executor_args], restart=service)
+            tracker = _tracker(config, client, keys, task, namespace, out / "metrics")
+            # the initial weights, before any trainer starts (one eval: every policy starts from them)
+            if _wait_policy(client, keys, procs, config.base_policy(), 0, 300.0) < 0:
+                raise RunFailed(f"policy {config.base_policy()} was not served within 300s: no eval before training")
+            before = tracker.ask(config.base_policy(), "before", 0)
+            _wait_evals(tracker, [before], procs)
         recorder = None
         if config.recorder:
             recorder = procs.start("recorder", [*ROLE, "trainer", "record", "--redis-url", url, "--namespace",
@@ -146,19 +158,26 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                     for p in policies]
         if on_start is not None:
             on_start(RunHandle(procs, keys, url, fleet))
-        runlog = _follow(config, client, keys, procs, trainers, started, epoch, fleet)
-        if config.model is not None and config.eval_groups > 0:  # each policy's last version
+        runlog = _follow(config, client, keys, procs, trainers, started, epoch, fleet, tracker)
+        if tracker is not None and before is not None:  # each policy's last version, on the same problems
+            afters = {}
             for p in policies:
-                evals[p]["after"] = _evaluate(config, client, keys, procs, p, runlog.policy(p).steps, task, "after",
-                                              namespace)
-        for p in policies:
-            runlog.policy(p).evals = evals[p]
+                summary = runlog.policy(p)
+                if _wait_policy(client, keys, procs, p, summary.version, 300.0) < summary.version:
+                    raise RunFailed(f"policy {p} was not served at v{summary.version} within 300s: no after eval")
+                afters[p] = tracker.ask(p, "after", summary.steps)
+            _wait_evals(tracker, [*tracker.pending(), *afters.values()], procs)
+            for p in policies:
+                _fold_evals(runlog.policy(p), tracker, before, afters[p])
         if recorder is not None:
             time.sleep(1.0)  # let the recorder catch up with the last batches
         wall_s = time.monotonic() - started
         summaries = [runlog.policy(p) for p in policies]
         outputs = {p: output_paths(out / "metrics", f"{namespace}-{p}", parse_log_to(config.log_to))
                    for p in policies}
+        if tracker is not None:
+            for p in policies:
+                outputs[p].update({f"eval-{k}": v for k, v in tracker.logs[p].outputs.items()})
         faults = run_faults(client, keys, procs.restarts(), summaries)
         text = (format_summary(summaries, mode=config.mode, wall_s=wall_s, faults=faults) + "\n"
                 + format_outputs(outputs))
@@ -177,6 +196,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         return RunResult(config, {s.policy: s.to_dict() for s in summaries}, wall_s, out, namespace, text,
                          faults.to_dict())
     finally:
+        if tracker is not None:
+            tracker.close()  # the eval logs (a W&B run is finished)
         with signals_deferred():  # a second signal must not leave the run's processes behind
             _adopt_engines_quietly(client, keys, procs)
             procs.stop_all()
@@ -338,31 +359,64 @@ def _wait_policy(client: Any, keys: Any, procs: Any, policy: str, version: int, 
         time.sleep(0.1)
 
 
-def _evaluate(config: RunConfig, client: Any, keys: Any, procs: Any, policy: str, version: int,
-              task: dict[str, Any], phase: str, namespace: str) -> dict[str, float]:
-    """Score ``policy`` on ``eval_groups`` held-out problems (the eval split) with an eval request."""
-    from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
-    from rollout_bus.events.submit import RolloutSubmitter, wait_outcome
-    from rollout_bus.lm import hf_tokenizer
 
-    serving = _wait_policy(client, keys, procs, policy, version, 300.0)
-    if serving < 0:
-        raise RunFailed(f"policy {policy} was not served within 300s: no {phase} eval")
-    chat = hf_tokenizer.load(str(task.get("tokenizer") or resolve_model(str(config.model))))
-    request = RolloutRequest.create(
-        policy, 0, config.eval_groups, config.eval_samples, timeout_s=600.0, eval=True,
-        request_id=f"eval-{namespace}-{policy}-{phase}-{uuid.uuid4().hex[:8]}",
-        data={**task, "split": "eval", "size": config.eval_groups},
-        sampling=SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                                stop_token_ids=chat.stop_token_ids))
-    RolloutSubmitter(client, keys).submit(request)
-    result = wait_outcome(client, request.request_id, 660.0)
-    if result.state != "finished" or not isinstance(result.result, dict):
-        raise RunFailed(f"the {phase} eval of {policy} did not finish ({result.state}): {result.error}")
-    metrics = result.result.get("metrics") or {}
-    out = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-    log.info("eval %s of %s (v%d): %s", phase, policy, serving, out)
-    return out
+
+def _tracker(config: RunConfig, client: Any, keys: Any, task: dict[str, Any], namespace: str,
+             log_dir: Path) -> Any:
+    """The run's ``EvalTracker``: eval requests of ``eval_problems`` held-out problems, logged per policy."""
+    from rollout_bus.events.rollouts import RolloutRequest, SamplingParams
+    from rollout_bus.events.submit import RolloutSubmitter
+    from rollout_bus.launch.evals import EvalLog, EvalTracker
+    from rollout_bus.trainer.config import parse_log_to
+
+    if config.model is not None:
+        from rollout_bus.lm import hf_tokenizer
+
+        stop = tuple(hf_tokenizer.load(str(task.get("tokenizer") or resolve_model(str(config.model)))).stop_token_ids)
+    else:
+        from rollout_bus.lm.tokenizer import EOS_ID
+
+        stop = (EOS_ID,)
+    submitter = RolloutSubmitter(client, keys)
+    n = config.eval_problems()
+
+    def submit(policy: str, request_id: str) -> None:
+        submitter.submit(RolloutRequest.create(
+            # its deadline is the run's own: evals queue behind one another on their executor
+            policy, 0, n, config.eval_samples, timeout_s=config.timeout_s, eval=True, request_id=request_id,
+            data={**task, "split": "eval", "size": n},
+            sampling=SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                                    stop_token_ids=stop)))
+
+    logs = {p: EvalLog(log_dir, f"{namespace}-{p}", p, parse_log_to(config.log_to), group=namespace,
+                       config={"eval_problems": n, "eval_samples": config.eval_samples, "eval_every": config.eval_every,
+                               "task": task})
+            for p in config.policies()}
+    return EvalTracker(client, keys, submit, namespace, logs=logs, timeout_s=config.timeout_s + 60.0)
+
+
+def _wait_evals(tracker: Any, points: list[Any], procs: Any) -> None:
+    def supervise() -> None:
+        try:
+            procs.supervise()
+        except Exception as exc:
+            raise RunFailed(str(exc)) from None
+
+    from rollout_bus.launch.evals import EvalFailed
+
+    try:
+        tracker.wait(points, tracker.timeout_s, supervise)
+    except EvalFailed as exc:
+        raise RunFailed(str(exc)) from None
+
+
+def _fold_evals(summary: Any, tracker: Any, before: Any, after: Any) -> None:
+    """The policy's evals into its summary: before, after, their paired difference, and those during the run."""
+    from rollout_bus.launch.evals import difference, phase_metrics
+
+    summary.evals = {"before": phase_metrics(before), "after": phase_metrics(after)}
+    summary.eval_difference = difference(before.event, after.event)
+    summary.eval_points = [before.to_dict(), *(p.to_dict() for p in tracker.of(summary.policy) if p is not before)]
 
 
 def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init: Path, weights_root: Path,
@@ -379,10 +433,14 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--checkpoint-dir", str(checkpoint_dir), "--n-groups", str(config.n_groups),
             "--n-samples", str(config.n_samples), "--max-new-tokens", str(config.max_new_tokens),
             "--in-flight", str(config.in_flight), "--max-staleness", str(config.max_staleness),
+            "--rollout-timeout-s", str(config.rollout_timeout_s),
+            "--get-timeout-s", str(max(600.0, 2.5 * config.rollout_timeout_s)),  # past a re-ask or two
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
             "--std-normalise" if config.std_normalise else "--no-std-normalise",
-            "--minibatches", str(config.minibatches), "--log-to", config.log_to, "--log-dir", str(log_dir),
-            "--run-name", namespace, *extra, *(["--colocate"] if config.colocate else []), *config.trainer_args]
+            "--minibatches", str(config.minibatches), "--log-to", config.log_to,
+            *(["--over-sample-groups", str(config.over_sample_groups())] if config.filters_groups() else []),
+            "--log-dir", str(log_dir), "--run-name", namespace, *extra, *(["--colocate"] if config.colocate else []),
+            *config.trainer_args]
 
 
 def _metrics_args(ports: dict[str, int], name: str) -> list[str]:
@@ -432,17 +490,26 @@ def executor_fleet(config: RunConfig, client: Any, keys: Any, procs: Any, start:
                          publish=publish)
 
 
+def _filter_args(config: RunConfig) -> list[str]:
+    """DAPO's dynamic sampling: groups whose rewards are all equal (no advantage) are left out, and each
+    request draws more prompts (``over_sample_groups``, passed by the trainers) to fill the batch."""
+    return ["--filter", "rollout_bus.executor.filters.nonzero_reward_std"] if config.filters_groups() else []
+
+
 def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float,
-            epoch: Any, fleet: Any = None) -> Any:
+            epoch: Any, fleet: Any = None, tracker: Any = None) -> Any:
     """Follow the trainer stream until every trainer is done; restart what died; fail when one keeps dying,
     or when Redis lost the run's data (its bus epoch vanished: ``RunFailed`` with that reason)."""
     from tqdm import tqdm
 
     from rollout_bus.events.errors import BusError, BusReset
+    from rollout_bus.launch.config import due_steps
     from rollout_bus.launch.procs import GaveUp, exit_text
     from rollout_bus.launch.report import RunLog
 
     runlog = RunLog()
+    due = set(due_steps(config.eval_every, config.steps)) if tracker is not None else set()
+    asked: set[tuple[str, int]] = set()
     last_adopt = last_epoch = 0.0
     total = config.steps * len(trainers)
     with tqdm(total=total, unit="step", disable=not config.progress, dynamic_ncols=True,
@@ -453,6 +520,12 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                     last_epoch = time.monotonic()
                     epoch.check()
                 new = runlog.follow(client, keys, block_ms=300)
+                for step in new:  # an eval of the policy as it is now; training goes on meanwhile
+                    if tracker is not None and step.step in due and (step.policy, step.step) not in asked:
+                        asked.add((step.policy, step.step))
+                        tracker.ask(step.policy, "during", step.step)
+                if tracker is not None:
+                    tracker.poll()
                 if time.monotonic() - last_adopt > 1.0:
                     _adopt_engines(client, keys, procs)
                     last_adopt = time.monotonic()

@@ -56,6 +56,18 @@ class PolicySummary:
     """Colocated runs, per step: how long the engines took to release their weights and KV cache."""
     onload_ms: list[float] = field(default_factory=list)
     """Colocated runs, per step: how long they took to get them back (weights, then KV cache, newest version)."""
+    version: int = -1
+    """The newest weight version a step announced: a step without signal publishes none, so it may be
+    lower than ``steps``."""
+    skipped_no_signal: int = 0
+    """Steps whose batch had no signal (every advantage 0): no optimiser step, no new version."""
+    groups_filtered: list[float] = field(default_factory=list)
+    """Per step, the prompt groups the executors' dynamic filter left out of the batch (all rewards equal);
+    empty when no filter ran."""
+    eval_points: list[dict[str, Any]] = field(default_factory=list)
+    """Held-out evals during the run (``--eval-every``): step, version and metrics with intervals."""
+    eval_difference: dict[str, Any] = field(default_factory=dict)
+    """After minus before on the same held-out problems, with its paired interval (``launch.evals``)."""
 
     def reward_before(self, k: int = 2) -> float:
         """Mean reward of the first ``k`` steps (the first batch comes from the initial weights)."""
@@ -82,9 +94,14 @@ class PolicySummary:
                 "samples_per_s": self.samples_per_s(), "staleness_hist": dict(sorted(self.staleness_hist.items())),
                 "batches_trained": self.batches_trained, "batches_unused": self.batches_unused,
                 "stale_groups": self.stale_groups, "rewards": self.rewards,
+                "version": self.version, "skipped_no_signal": self.skipped_no_signal,
+                **({"groups_filtered": self.groups_filtered,
+                    "groups_filtered_total": sum(self.groups_filtered)} if self.groups_filtered else {}),
                 **({"correct": self.correct, "formatted": self.formatted} if self.correct else {}),
                 **({"eval": self.evals} if self.evals else {}),
-                **({"offload_ms": self.offload_ms, "onload_ms": self.onload_ms} if self.offload_ms else {})}
+                **({"offload_ms": self.offload_ms, "onload_ms": self.onload_ms} if self.offload_ms else {}),
+                **({"eval_during": self.eval_points} if self.eval_points else {}),
+                **({"eval_difference": self.eval_difference} if self.eval_difference else {})}
 
 
 class RunLog:
@@ -109,6 +126,11 @@ class RunLog:
             self._seen_steps.add(key)
             p = self.policy(event.policy)
             p.steps = max(p.steps, event.step)
+            p.version = max(p.version, event.weight_version)
+            if event.metrics.get("skipped_no_signal"):
+                p.skipped_no_signal += 1
+            if "groups_filtered" in event.metrics:
+                p.groups_filtered.append(float(event.metrics["groups_filtered"]))
             p.rewards.append(float(event.metrics.get("reward_mean", float("nan"))))
             p.step_ts_ms.append(event.ts_ms)
             p.samples.append(float(event.metrics.get("n_samples", 0.0)))
@@ -205,8 +227,12 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
             f"  speed       {p.steps_per_s():.2f} steps/s, {_figure(p.samples_per_s())} samples/s (steady state)",
             f"  staleness   samples by versions behind: {hist}",
             f"  batches     {p.batches_trained} trained, {p.batches_unused} not trained; "
-            f"{p.stale_groups:.0f} stale groups left out",
+            f"{p.stale_groups:.0f} stale groups left out; {p.skipped_no_signal} step(s) without signal (no "
+            f"optimiser step, no new version: last version v{p.version})",
         ]
+        if p.groups_filtered:
+            lines.append(f"  filter      {sum(p.groups_filtered):.0f} prompt groups left out (all rewards equal), "
+                         f"{_mean(p.groups_filtered):.1f} per step")
         if p.correct:
             k = min(5, len(p.correct))
             lines.append(f"  answers     correct {_mean(p.correct[:2]):.3f} -> {_mean(p.correct[-k:]):.3f}, "
@@ -214,10 +240,22 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
         if p.offload_ms:
             lines.append(f"  colocated   offload {_mean(p.offload_ms):.0f} ms, onload {_mean(p.onload_ms):.0f} ms per step "
                          f"(mean of {len(p.offload_ms)}; max {max(p.offload_ms):.0f} and {max(p.onload_ms):.0f} ms)")
+        nan = float("nan")
         for phase, m in p.evals.items():
-            lines.append(f"  eval {phase:<6} reward {m.get('reward_mean', float('nan')):.3f}, correct "
-                         f"{m.get('correct_frac', float('nan')):.3f}, in form {m.get('formatted_frac', float('nan')):.3f}"
-                         f" on {m.get('samples', 0):.0f} held-out samples (weights v{m.get('min_weight_version', -1):.0f})")
+            lines.append(f"  eval {phase:<6} accuracy {m.get('accuracy', nan):.3f} [{m.get('accuracy_lo', nan):.3f}, "
+                         f"{m.get('accuracy_hi', nan):.3f}], reward {m.get('reward_mean', nan):.3f}"
+                         + (f", in form {m['formatted_frac']:.3f}" if "formatted_frac" in m else "")
+                         + f" on {m.get('samples', 0):.0f} held-out samples of "
+                         f"{m.get('problems', 0):.0f} problems (weights v{m.get('min_weight_version', -1):.0f})")
+        if p.eval_difference:
+            d = p.eval_difference
+            lines.append(f"  eval change accuracy {d['accuracy_diff']:+.3f} [{d['accuracy_diff_lo']:+.3f}, "
+                         f"{d['accuracy_diff_hi']:+.3f}] after - before on {d['paired_problems']:.0f} paired problems "
+                         "(95%, paired bootstrap)")
+        during = [e for e in p.eval_points if e.get("phase") == "during" and "metrics" in e]
+        if during:
+            lines.append("  eval during " + ", ".join(f"step {e['step']}: {e['metrics'].get('accuracy', nan):.3f}"
+                                                      for e in during))
     if faults is not None:
         restarted = ", ".join(f"{name} {n}" for name, n in sorted(faults.restarts.items()) if n) or "none"
         lines.append(f"faults: restarts {restarted}; {faults.requeued_jobs} job(s) requeued, "
@@ -262,11 +300,14 @@ def plot_rewards(policies: Iterable[PolicySummary], path: str | Path, *, title: 
                     label=f"{p.policy} correct")
             ax.plot(range(1, len(p.formatted) + 1), p.formatted, linestyle=":", color=line.get_color(),
                     label=f"{p.policy} in form")
-        evals = [(x, p.evals[phase].get("reward_mean", float("nan")))
-                 for phase, x in (("before", 0), ("after", len(p.rewards))) if phase in p.evals]
-        if evals:
-            ax.scatter([x for x, _ in evals], [y for _, y in evals], marker="s", color=line.get_color(),
-                       label=f"{p.policy} held-out eval reward")
+        held = [(e["step"], e["metrics"]) for e in p.eval_points if "metrics" in e and "accuracy" in e["metrics"]]
+        if held:  # every held-out eval (before, during, after) with its 95% Wilson interval
+            xs = [x for x, _ in held]
+            ys = [m["accuracy"] for _, m in held]
+            lo = [max(0.0, m["accuracy"] - m.get("accuracy_lo", m["accuracy"])) for _, m in held]
+            hi = [max(0.0, m.get("accuracy_hi", m["accuracy"]) - m["accuracy"]) for _, m in held]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="s", capsize=3, color=line.get_color(),
+                        label=f"{p.policy} held-out accuracy (95% interval)")
     ax.set_xlabel("training step")
     ax.set_ylabel("trained batch: mean reward, share of answers")
     ax.set_ylim(0, 1.02)

@@ -195,7 +195,8 @@ def _train(cfg: OfflineConfig, on_step: StepHook | None) -> tuple[OfflineResult,
                 metrics = learner.train_step(fresh)
             except NonFiniteStep as exc:
                 raise NonFiniteStep(f"batch {batch_id}: {exc}") from None
-            version += 1
+            if not metrics.get("skipped_no_signal"):  # no signal: no optimiser step, no new version (as live)
+                version += 1
             metrics.update(
                 reward_mean=float(fresh.raw_reward.mean()), n_samples=float(len(fresh)),
                 n_samples_batch=float(len(data)), stale_samples=float(split.stale_samples),

@@ -21,9 +21,13 @@ class _Scored(Protocol):
     label: Any
 
 
-def problem(index: int, *, digits: int = 2, seed: int = 0, operator: str = "+") -> tuple[str, str]:
-    """The prompt and the answer of problem ``index``."""
-    rng = random.Random(f"arith:{seed}:{digits}:{operator}:{index}")
+SPLITS = ("train", "eval")
+
+
+def problem(index: int, *, digits: int = 2, seed: int = 0, operator: str = "+", split: str = "train") -> tuple[str, str]:
+    """The prompt and the answer of problem ``index`` of ``split`` (each split its own random stream)."""
+    rng = random.Random(f"arith:{seed}:{digits}:{operator}:{index}" if split == "train"
+                        else f"arith-{split}:{seed}:{digits}:{operator}:{index}")
     low, high = 10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1
     a, b = rng.randint(low, high), rng.randint(low, high)
     if operator == "+":
@@ -39,10 +43,17 @@ def problem(index: int, *, digits: int = 2, seed: int = 0, operator: str = "+") 
 
 
 class ArithmeticSource(IndexedSource):
-    """Data source of arithmetic prompts; ``size`` makes it a finite set visited in epochs."""
+    """Data source of arithmetic prompts; ``size`` makes it a finite set visited in epochs.
+
+    ``split="eval"`` draws the held-out problems from a random stream of their own. With few digits the
+    problems themselves cannot be kept apart (one-digit sums are only 100): the eval split then holds
+    fixed draws of the same distribution, not problems training never saw.
+    """
 
     def __init__(self, digits: int = 2, seed: int = 0, operator: str = "+", size: int | None = None,
-                 bos: bool = True) -> None:
+                 bos: bool = True, split: str = "train") -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if not isinstance(digits, int) or not 1 <= digits <= 9:
             raise ValueError(f"digits must be an integer in [1, 9], got {digits!r}")
         if size is not None and (not isinstance(size, int) or size < 1):
@@ -54,12 +65,14 @@ class ArithmeticSource(IndexedSource):
         self.operator = operator
         self.size = size
         self.bos = bos
-        self.name = f"arith-{operator.replace('*', 'x')}-d{digits}-s{seed}" + (f"-n{size}" if size else "")
+        self.split = split
+        self.name = (f"arith-{operator.replace('*', 'x')}-d{digits}-s{seed}" + ("-eval" if split == "eval" else "")
+                     + (f"-n{size}" if size else ""))
 
     def item(self, index: int) -> dict[str, Any]:
         """Prompt number ``index`` (a sequence number; with ``size`` it wraps into epochs)."""
         prompt, label = problem(index % self.size if self.size else index, digits=self.digits, seed=self.seed,
-                                operator=self.operator)
+                                operator=self.operator, split=self.split)
         return {"index": index, "prompt": prompt, "label": label,
                 "prompt_ids": tokenizer.encode(prompt, add_bos=self.bos)}
 

@@ -10,6 +10,11 @@ Train and eval never share a problem: a problem's split is a hash of its text, a
 So the splits are disjoint by construction, whatever the seeds and indices, and any process
 rebuilds any problem from ``(split, seed, index, options)``.
 
+A problem *restates its answer* when the answer is the only number in its text ("Leo has 7
+apples. How many apples does Leo have now?"): answering it takes copying, not arithmetic, so it
+says nothing about what training changed. ``MathWordsSource`` leaves such problems out of the
+eval split (``restated="drop"``, the default there) and keeps them in train.
+
 ``MathWordsSource`` serves one split. With ``tokenizer`` (a Hugging Face model directory) the
 prompt is rendered through the model's chat template and tokenized, so executors send and
 train on exactly the template's tokens. Every item carries the reward's options in its
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -98,6 +104,12 @@ def _draw(rng: random.Random, steps: int, max_number: int) -> Problem:
     return Problem(" ".join(sentences), value, steps)
 
 
+def restates_answer(p: Problem) -> bool:
+    """Whether the answer is the only number in the problem's text (nothing to compute)."""
+    numbers = set(re.findall(r"\d+", p.text))
+    return numbers == {str(p.answer)}
+
+
 def problem(split: str, index: int, *, seed: int = 0, min_steps: int = 2, max_steps: int = 3,
             max_number: int = 20) -> Problem:
     """Problem ``index`` of ``split``: the first draw of its own stream whose text hashes into ``split``."""
@@ -124,8 +136,10 @@ class MathWordsSource(IndexedSource):
     def __init__(self, tokenizer: str, split: str = "train", seed: int = 0, size: int | None = None,
                  min_steps: int = 2, max_steps: int = 3, max_number: int = 20, answer_format: str = "boxed",
                  system_prompt: str | None = None, instruction: str | None = None, format_credit: float = 0.0,
-                 unformatted_credit: float = 0.0) -> None:
+                 unformatted_credit: float = 0.0, restated: str = "auto") -> None:
         super().__init__()
+        if restated not in ("auto", "keep", "drop"):
+            raise ValueError(f"restated must be 'auto', 'keep' or 'drop', got {restated!r}")
         if not isinstance(tokenizer, str) or not tokenizer:
             raise ValueError("tokenizer must be the path of a Hugging Face model directory")
         if split not in SPLITS:
@@ -151,12 +165,29 @@ class MathWordsSource(IndexedSource):
         self.instruction = instruction if instruction is not None else INSTRUCTIONS[answer_format]
         self.reward_options = {"answer_format": answer_format, "format_credit": float(format_credit),
                                "unformatted_credit": float(unformatted_credit)}
+        self.drop_restated = restated == "drop" or (restated == "auto" and split == "eval")
+        """Leave out problems that restate their answer (``restates_answer``): item ``i`` is then the
+        ``i``-th problem of the split that does not."""
+        self._kept: list[int] = []
         self.name = (f"math-words-{split}-s{seed}-k{min_steps}{max_steps}-m{max_number}-{answer_format}"
+                     + ("-norestated" if self.drop_restated and split == "train" else "")
+                     + ("-restated" if not self.drop_restated and split == "eval" else "")
                      + (f"-n{size}" if size else ""))
 
+    def _raw(self, index: int) -> Problem:
+        return problem(self.split, index, seed=self.seed, min_steps=self.min_steps, max_steps=self.max_steps,
+                       max_number=self.max_number)
+
     def question(self, index: int) -> Problem:
-        return problem(self.split, index % self.size if self.size else index, seed=self.seed,
-                       min_steps=self.min_steps, max_steps=self.max_steps, max_number=self.max_number)
+        index = index % self.size if self.size else index
+        if not self.drop_restated:
+            return self._raw(index)
+        raw = self._kept[-1] + 1 if self._kept else 0
+        while len(self._kept) <= index:
+            if not restates_answer(self._raw(raw)):
+                self._kept.append(raw)
+            raw += 1
+        return self._raw(self._kept[index])
 
     def user_message(self, p: Problem) -> str:
         return f"{p.text}\n{self.instruction}"

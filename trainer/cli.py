@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--keep-versions", type=int, default=4)
     t.add_argument("--n-groups", type=int, default=16)
     t.add_argument("--n-samples", type=int, default=8, help="samples per prompt group")
+    t.add_argument("--over-sample-groups", type=int, default=None, metavar="N",
+                   help="prompt groups the executors draw per sampling round (>= --n-groups): with their dynamic "
+                        "filter (rollout-bus executor --filter), extra groups replace those it leaves out")
     t.add_argument("--max-new-tokens", type=int, default=6)
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--std-normalise", action=argparse.BooleanOptionalAction, default=False,
@@ -151,6 +154,7 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
         torch_threads=ns.torch_threads, lease_ttl_s=ns.lease_ttl_s,
         rollout=RolloutConfig(n_groups=ns.n_groups, n_samples_per_group=ns.n_samples, std_normalise=ns.std_normalise,
                               max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
+                              over_sample_groups=ns.over_sample_groups,
                               timeout_s=ns.rollout_timeout_s, data=data),
         schedule=ScheduleConfig(mode=ns.mode, in_flight=ns.in_flight, max_staleness=ns.max_staleness,
                                 stale_policy=ns.stale_policy, colocate=ns.colocate),

@@ -167,7 +167,8 @@ class RolloutClient:
             timeout_s=timeout_s if timeout_s is not None else r.timeout_s,
             sampling=SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens,
                                     stop_token_ids=r.stop_token_ids or (EOS_ID,)),
-            request_id=request_id, data=dict(r.data), std_normalise=r.std_normalise, returned=list(returned or []))
+            request_id=request_id, data=dict(r.data), std_normalise=r.std_normalise, returned=list(returned or []),
+            over_sample_groups=r.over_sample_groups)
         self.lease.verify()  # a deposed trainer asks for nothing more (a repeat is a no-op anyway)
         self.submitter.submit(request)
         return request

@@ -44,6 +44,9 @@ class RolloutConfig:
     """Divide each group's advantages by its reward std (GRPO's normalisation). Off by default, as
     everywhere in the project (``RolloutRequest``, ``to_train_data``): the division erases the reward's
     scale, so a shaped ``[0.2, 0, 0, 0]`` would get the same advantages as ``[1, 0, 0, 0]``."""
+    over_sample_groups: int | None = None
+    """Prompt groups the executors draw per sampling round (>= ``n_groups``; with a dynamic filter, extra ones
+    replace the groups it leaves out); None: ``n_groups``."""
     timeout_s: float = 120.0
     """A request without a batch after this long is asked again under a new request id."""
     data: dict[str, Any] = field(default_factory=dict)
@@ -224,6 +227,8 @@ class TrainerConfig:
         for name in ("n_groups", "n_samples_per_group", "max_new_tokens"):
             if getattr(r, name) < 1:
                 problems.append(f"rollout.{name} must be >= 1, got {getattr(r, name)}")
+        if r.over_sample_groups is not None and r.over_sample_groups < r.n_groups:
+            problems.append(f"rollout.over_sample_groups must be >= n_groups ({r.n_groups}), got {r.over_sample_groups}")
         if self.steps < 0:
             problems.append(f"steps must be >= 0, got {self.steps}")
         if not self.publish.weights_root:

@@ -29,6 +29,29 @@ class LossConfig:
     """Weight of the entropy bonus (needs the per-token entropy); 0 leaves the loss the PG term alone."""
 
 
+def has_signal(advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> bool:
+    """Whether a GRPO step on these samples would move the policy at all.
+
+    Every term of the policy-gradient loss is ``-w * r * A``: with every advantage 0 on the trained
+    tokens (every group all right or all wrong) the loss is 0 and so is its gradient, but an
+    optimiser with momentum (Adam) would still move the weights along its running averages. Only
+    an entropy bonus (``entropy_coef``) gives such a batch a gradient of its own.
+    """
+    if config.entropy_coef:
+        return bool(mask.sum() > 0)
+    trained = mask.reshape(mask.shape[0], -1).sum(dim=1) > 0 if mask.numel() else torch.zeros(0, dtype=torch.bool)
+    return bool((advantages[trained] != 0).any())
+
+
+NO_SIGNAL_METRICS: dict[str, float] = {
+    "loss": 0.0, "pg_loss": 0.0, "entropy_loss": 0.0, "grad_norm": 0.0, "ppo_clipped_frac": 0.0,
+    "is_weight_mean": float("nan"), "is_truncated_frac": float("nan"), "rollout_kl": float("nan"),
+    "entropy": float("nan"), "optimizer_steps": 0.0, "skipped_no_signal": 1.0,
+}
+"""A learner's metrics for a batch without signal (``has_signal`` False): the loss is exactly 0, no
+optimiser step is taken, and what only a forward pass would tell (entropy, importance weights) is unknown."""
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor

@@ -35,7 +35,7 @@ from torch import Tensor
 from rollout_bus.events.train_data import TrainData
 from rollout_bus.trainer.config import LossSettings, OptimConfig
 from rollout_bus.trainer.finite import StepGuard
-from rollout_bus.trainer.grpo import LossConfig, grpo_loss
+from rollout_bus.trainer.grpo import NO_SIGNAL_METRICS, LossConfig, grpo_loss, has_signal
 from rollout_bus.trainer.hf_config import HFSettings, LoraSettings
 from rollout_bus.trainer.learner import Padded, to_padded
 
@@ -231,12 +231,17 @@ class HFLearner:
     def train_step(self, data: TrainData, temperature: float | None = None) -> dict[str, float]:
         """One GRPO update on ``data`` (``epochs`` x ``minibatches`` optimiser steps); a step with a
         non-finite loss, gradient or result is refused (``trainer.finite.NonFiniteStep``) and leaves the
-        trainable weights and the optimiser as they were."""
+        trainable weights and the optimiser as they were. A batch without signal (every advantage 0 on
+        its trained tokens: ``grpo.has_signal``) takes no forward pass and no optimiser step (Adam's
+        momentum would move the weights anyway): ``skipped_no_signal`` is 1 in the metrics."""
         started = time.perf_counter()
         temperature = self._temperature(temperature)
-        guard = StepGuard(self.trainable, self.optimizer)
         lay = layout(data)
         batch = lay.padded
+        if not has_signal(batch.advantages, batch.loss_mask, self.loss_config):
+            return {**NO_SIGNAL_METRICS, "response_tokens": float(batch.loss_mask.sum()), "micro_batches": 0.0,
+                    "train_ms": (time.perf_counter() - started) * 1000, "train_tokens_per_s": 0.0}
+        guard = StepGuard(self.trainable, self.optimizer)
         n = batch.input_ids.shape[0]
         o = self.optim_config
         old_logp: Tensor | None = None
@@ -266,7 +271,7 @@ class HFLearner:
         tokens = float(batch.attention_mask.sum())
         micro_batches = sums.pop("micro_batches", 0.0)
         out = {k: v / max(updates, 1) for k, v in sums.items()}
-        out.update(grad_norm=grad_norm, optimizer_steps=float(updates), response_tokens=float(batch.loss_mask.sum()),
+        out.update(grad_norm=grad_norm, optimizer_steps=float(updates), skipped_no_signal=0.0, response_tokens=float(batch.loss_mask.sum()),
                    micro_batches=micro_batches, train_ms=elapsed * 1000,
                    train_tokens_per_s=tokens * o.epochs / elapsed if elapsed > 0 else 0.0)
         return out

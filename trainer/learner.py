@@ -21,7 +21,7 @@ from rollout_bus.lm.model import TinyLM, token_logprobs, token_logprobs_and_entr
 from rollout_bus.lm.tokenizer import PAD_ID
 from rollout_bus.trainer.config import LossSettings, OptimConfig
 from rollout_bus.trainer.finite import StepGuard
-from rollout_bus.trainer.grpo import LossConfig, grpo_loss
+from rollout_bus.trainer.grpo import NO_SIGNAL_METRICS, LossConfig, grpo_loss, has_signal
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,17 @@ class Learner:
         entropy on the response tokens, TIS and clip fractions), the last gradient norm, the
         response tokens trained and the wall time. A step with a non-finite loss, gradient or
         result is refused (``trainer.finite.NonFiniteStep``) and leaves model and optimiser as they were.
+        A batch without signal (every advantage 0 on its trained tokens: ``grpo.has_signal``) takes no
+        optimiser step at all (Adam's momentum would move the weights anyway): the metrics say
+        ``skipped_no_signal`` 1 and the model and optimiser are untouched.
         """
         started = time.perf_counter()
+        batch = to_padded(data)
+        if not has_signal(batch.advantages, batch.loss_mask, self.loss_config):
+            return {**NO_SIGNAL_METRICS, "response_tokens": float(batch.loss_mask.sum()),
+                    "train_ms": (time.perf_counter() - started) * 1000}
         guard = StepGuard(self.model.parameters(), self.optimizer)
         self.model.train()
-        batch = to_padded(data)
         n = batch.input_ids.shape[0]
         single = self.optim_config.epochs == 1 and self.optim_config.minibatches == 1
         old_logp: Tensor | None = None
@@ -115,7 +121,7 @@ class Learner:
                     sums[k] = sums.get(k, 0.0) + v
         guard.check_weights()
         metrics = {k: v / max(updates, 1) for k, v in sums.items()}
-        metrics.update(grad_norm=grad_norm, optimizer_steps=float(updates),
+        metrics.update(grad_norm=grad_norm, optimizer_steps=float(updates), skipped_no_signal=0.0,
                        response_tokens=float(batch.loss_mask.sum()),
                        train_ms=(time.perf_counter() - started) * 1000)
         return metrics

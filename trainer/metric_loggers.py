@@ -45,6 +45,7 @@ STEP_SCALARS: dict[str, str] = {
     "offpolicy/is_weight_mean": "mean importance weight (trainer over rollout policy) before truncation",
     "offpolicy/rollout_kl": "mean of rollout log-prob minus trainer log-prob on the response tokens",
     "optim/grad_norm": "gradient norm before clipping (last optimiser step)",
+    "optim/skipped_no_signal": "1 when the batch had no signal (every advantage 0): no optimiser step, no new version",
     "throughput/samples_per_s": "samples trained per second since the previous step",
     "throughput/tokens_per_s": "response tokens trained per second since the previous step",
     "staleness/mean": "mean versions behind of the trained samples",
@@ -66,7 +67,7 @@ _FROM_METRICS: dict[str, str] = {
     "loss/policy_gradient": "pg_loss", "loss/entropy": "entropy_loss", "policy/entropy": "entropy",
     "offpolicy/tis_truncated_frac": "is_truncated_frac", "offpolicy/ppo_clipped_frac": "ppo_clipped_frac",
     "offpolicy/is_weight_mean": "is_weight_mean", "offpolicy/rollout_kl": "rollout_kl",
-    "optim/grad_norm": "grad_norm", "staleness/mean": "staleness_mean", "staleness/max": "staleness_max",
+    "optim/grad_norm": "grad_norm", "optim/skipped_no_signal": "skipped_no_signal", "staleness/mean": "staleness_mean", "staleness/max": "staleness_max",
     "batch/samples": "n_samples", "batch/tokens": "response_tokens",
 }
 _MS_FROM_METRICS: dict[str, tuple[str, ...]] = {
@@ -93,8 +94,10 @@ class StepRecord:
                 "staleness_hist": {str(k): n for k, n in sorted(self.staleness.items())}}
 
 
-OPTIONAL_SCALARS: dict[str, str] = {"answers/correct_frac": "correct_frac", "answers/formatted_frac": "formatted_frac"}
-"""Logged when the batch's reward judges answers (the executors' counts, e.g. ``tasks.math_reward``)."""
+OPTIONAL_SCALARS: dict[str, str] = {"answers/correct_frac": "correct_frac", "answers/formatted_frac": "formatted_frac",
+                                    "rollout/groups_filtered": "groups_filtered"}
+"""Logged when the batch's reward judges answers (the executors' counts, e.g. ``tasks.math_reward``), and when
+the executors' dynamic filter ran: the prompt groups it left out of the batch (all rewards equal)."""
 
 NEEDED_METRICS: tuple[str, ...] = (*_FROM_METRICS.values(), *(k for ks in _MS_FROM_METRICS.values() for k in ks))
 """The keys of the trainer's metrics dict a ``StepRecord`` is made of."""

@@ -14,7 +14,10 @@ Modes (DESIGN.md section 2):
 
 One step: train, save the weights file of ``v+1``, checkpoint (model, optimiser, trained
 batch ids, step, version; atomically), then ack the batch (``BatchConsumed``), then
-``WeightsPublished`` and ``TrainStepDone``. Every one of these writes is bound to the policy
+``WeightsPublished`` and ``TrainStepDone``. A batch without signal (every advantage 0: each group all
+right or all wrong) is a step that publishes nothing: the learner takes no optimiser step, the version
+stays, the batch is acked unused (``no signal``) and checkpointed as done, and ``TrainStepDone`` carries
+the unchanged version with ``skipped_no_signal`` 1 (so a step count and a version count differ). Every one of these writes is bound to the policy
 lease (``trainer.lease``): a trainer paused past it gets ``LeaseLost`` at the next one and stops. A restarted trainer loads the checkpoint,
 re-reads its pending batches first, skips-and-acks those the checkpoint lists and
 republishes its version if the crash came before the announcement.
@@ -248,7 +251,7 @@ class Trainer:
         if not trained:
             return
         ahead = [r for r in state.in_flight if r > rid]
-        if ahead:  # miles: finish the in-flight rollout before updating the weights
+        if ahead and not self._step_published_nothing():  # miles: finish the in-flight rollout before updating
             self._wait_buffered(min(ahead))
         self._publish_version(wait=self.config.wait_serving)
 
@@ -413,9 +416,14 @@ class Trainer:
             self._refuse_step(batch, str(exc))
             return False
         metrics.setdefault("entropy", math.nan)  # the HF learner does not compute the full-vocabulary entropy
+        skipped = bool(metrics.get("skipped_no_signal"))
         state.step += 1
-        state.version += 1
-        state.trained.append((state.step, batch.batch_id))
+        if skipped:  # no optimiser step was taken: the weights are the current version's, nothing to publish
+            state.count("skipped_no_signal")
+            state.dropped.append(batch.batch_id)
+        else:
+            state.version += 1
+            state.trained.append((state.step, batch.batch_id))
         for s in trained_staleness.tolist():
             state.staleness_hist[int(s)] = state.staleness_hist.get(int(s), 0) + 1
             m.STALENESS.labels(*self._labels).observe(s)
@@ -430,9 +438,11 @@ class Trainer:
             rollout_id=float(batch.rollout_id), wait_ms=self._wait_ms, step_ms=(t1 - t0) * 1000,
             in_flight=float(len(state.in_flight)), stale_groups_total=state.counters.get("stale_groups", 0.0),
             stale_samples_total=state.counters.get("stale_samples", 0.0),
-            redelivered_batches_total=state.counters.get("redelivered_batches", 0.0))
+            redelivered_batches_total=state.counters.get("redelivered_batches", 0.0),
+            skipped_no_signal_total=state.counters.get("skipped_no_signal", 0.0))
         batch_metrics = (batch.data.metadata.get("metrics") if batch.data is not None else None) or {}
-        for key in ("correct_frac", "formatted_frac", "response_len_mean", "truncated_frac"):
+        for key in ("correct_frac", "formatted_frac", "response_len_mean", "truncated_frac", "groups_drawn",
+                    "groups_filtered"):
             value = batch_metrics.get(key) if isinstance(batch_metrics, dict) else None
             if isinstance(value, int | float) and not isinstance(value, bool):
                 metrics[key] = float(value)  # the executors' judgement of the batch's answers
@@ -440,23 +450,33 @@ class Trainer:
             metrics[f"{STALENESS_PREFIX}{int(s)}"] = float(n)
         state.last_metrics = metrics
         assert self.weights is not None and self.model is not None
-        self.weights.save(self.model, state.version, **self._save_kwargs)
+        if not skipped:
+            self.weights.save(self.model, state.version, **self._save_kwargs)
         metrics["weights_save_ms"] = (time.perf_counter() - t1) * 1000
-        if self.store is not None:
+        if self.store is not None:  # a skipped step is checkpointed too: a restart must not take it again
             self.store.save(state, self.model, learner.optimizer, model_state=None if isinstance(learner, Learner)
                             else _trainable_state(self.model), before_replace=client.lease.verify)
         metrics["save_ms"] = (time.perf_counter() - t1) * 1000
         for after in self.after_checkpoint:
             after(state)
-        client.ack(batch, staleness=batch_staleness, accepted=True)
-        m.BATCHES.labels(*self._labels, "trained").inc()
+        if skipped:
+            client.ack(batch, staleness=batch_staleness, accepted=False,
+                       reason="no signal: every advantage is 0 (no optimiser step, no new version)")
+            m.BATCHES.labels(*self._labels, "no_signal").inc()
+        else:
+            client.ack(batch, staleness=batch_staleness, accepted=True)
+            m.BATCHES.labels(*self._labels, "trained").inc()
         m.STEPS.labels(*self._labels).inc()
         m.REWARD.labels(*self._labels).set(reward)
         m.STEP_SECONDS.labels(*self._labels, "train").observe(t1 - t0)
         for hook in self.on_step:
             hook(state, metrics)
-        log.info("step %d: reward %.3f on %d samples (staleness max %d), loss %.4f, %.0f ms", state.step, reward,
-                 len(data), int(trained_staleness.max()), metrics.get("loss", 0.0), (t1 - t0) * 1000)
+        if skipped:
+            log.info("step %d: no signal in batch %s (reward %.3f on %d samples, every advantage 0): no optimiser "
+                     "step, version stays %d", state.step, batch.batch_id, reward, len(data), state.version)
+        else:
+            log.info("step %d: reward %.3f on %d samples (staleness max %d), loss %.4f, %.0f ms", state.step, reward,
+                     len(data), int(trained_staleness.max()), metrics.get("loss", 0.0), (t1 - t0) * 1000)
         return True
 
     def _refuse_step(self, batch: ReceivedBatch, reason: str) -> None:
@@ -470,9 +490,19 @@ class Trainer:
         client.refuse(batch, f"batch {batch.batch_id}: {reason}")
         self._request(batch.rollout_id, state.attempts.get(batch.rollout_id, 1) + 1)
 
+    def _step_published_nothing(self) -> bool:
+        """Whether the last step took no optimiser step (no signal): it has no new version to publish."""
+        return bool(self._st().last_metrics.get("skipped_no_signal"))
+
     def _publish_version(self, *, wait: bool) -> None:
         state, cfg = self._st(), self.config
         assert self.weights is not None
+        if self._step_published_nothing():  # the engines already serve this version: announce the step alone
+            timings = {"publish_ms": 0.0, "serving_wait_ms": 0.0}
+            self._announce_step(**timings)
+            if self.step_log is not None:
+                self.step_log.step(state.step, state.version, {**state.last_metrics, **timings})
+            return
         t0 = time.perf_counter()
         published = self.weights.publish(None, state.version)
         t1 = time.perf_counter()

@@ -107,7 +107,9 @@ def test_a_base_policy_and_a_lora_policy_train_side_by_side(
             "--mode", "sync", "--steps", "2", "--model-path", str(llama), "--weights-root", str(weights),
             "--n-groups", "2", "--n-samples", "2", "--max-new-tokens", "6", "--temperature", str(TEMPERATURE),
             "--data", json.dumps(task), "--lr", "1e-3", "--log-dir", str(tmp_path / "metrics"),
-            "--checkpoint-dir", str(tmp_path / "checkpoints" / p), *extra],
+            "--checkpoint-dir", str(tmp_path / "checkpoints" / p),
+            "--entropy-coef", "0.001",  # a random model earns no reward: the bonus gives each step a version
+            *extra],
             restart=finish) for p, extra in (("p0", []), ("p1", ["--lora", "4,8"]))]
         wait_until("both trainers finish", lambda: all(not t.alive() for t in trainers), timeout_s=240, every_s=0.2)
         assert [t.proc.returncode for t in trainers] == [0, 0], "\n".join(t.tail() for t in trainers)
@@ -138,7 +140,11 @@ def test_a_base_policy_and_a_lora_policy_train_side_by_side(
 def test_the_main_job_trains_a_hf_model_with_held_out_evals(
         tmp_path: Path, llama: Path, redis_server: RedisServer, keys: Keys) -> None:
     out = tmp_path / "out"
+    # a random model answers nothing right: every group's rewards are equal, so the dynamic filter would leave
+    # none (it is off here) and no step would have signal; the entropy bonus gives each step a gradient, and
+    # so a version to publish
     config = RunConfig(model=str(llama), steps=3, n_groups=2, n_samples=4, max_new_tokens=8, lr=5e-4,
+                       dynamic_sampling=False, trainer_args=["--entropy-coef=0.001"],
                        temperature=TEMPERATURE, engine_max_batch=32, eval_groups=4, eval_samples=2, out=str(out),
                        redis_url=redis_server.url, namespace=keys.namespace, progress=False, timeout_s=240,
                        log_events=str(tmp_path / "run.rblog"))
@@ -155,6 +161,7 @@ def test_the_main_job_trains_a_hf_model_with_held_out_evals(
 
     # the recorded log retrains the model offline, deterministically, as the live trainer was set up
     offline = OfflineConfig(log=str(tmp_path / "run.rblog"), model_path=str(llama), policy="p0", optim=OptimConfig(lr=5e-4),
+                            loss=LossSettings(entropy_coef=0.001),
                             temperature=TEMPERATURE, hf=HFSettings(device="cpu", lora=LoraSettings(r=8, alpha=16)))
     first, model = run_offline(offline)
     again, _ = run_offline(offline)
@@ -170,6 +177,7 @@ def test_two_trainers_train_two_lora_policies_on_one_engine_pool(
         tmp_path: Path, llama: Path, redis_server: RedisServer, keys: Keys) -> None:
     out = tmp_path / "out"
     config = RunConfig(model=str(llama), trainers=2, steps=2, n_groups=2, n_samples=2, max_new_tokens=6, lr=5e-4,
+                       dynamic_sampling=False, trainer_args=["--entropy-coef=0.001"],  # as above: a random model
                        temperature=TEMPERATURE, engine_max_batch=32, eval_groups=2, eval_samples=1, out=str(out),
                        redis_url=redis_server.url, namespace=keys.namespace, progress=False, timeout_s=240)
     result = run_job(config)

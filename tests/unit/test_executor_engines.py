@@ -110,3 +110,28 @@ def test_generate_goes_to_the_engines_generate_url_when_it_has_one(router: Engin
     assert router.client(guarded).url == "http://h:30001"
     assert router.client(plain).url == plain.url
     assert EngineRecord.unpack(guarded.pack()).generate_url == "http://h:30001"
+
+
+def test_training_calls_never_take_an_eval_engine_and_eval_calls_prefer_one(router: EngineRouter) -> None:
+    idle_eval = record("eval-0", load=0)
+    idle_eval.role = "eval"
+    busy = record("a", load=9)
+    assert idle_eval.evaluates and not busy.evaluates
+    assert router.choose([busy, idle_eval], "p", set()).engine_id == "a"  # type: ignore[union-attr]
+    assert router.choose([idle_eval], "p", set()) is None  # a training call waits rather than take it
+    assert router.choose([busy, idle_eval], "p", set(), evaluating=True).engine_id == "eval-0"  # type: ignore[union-attr]
+    assert router.choose([busy], "p", set(), evaluating=True).engine_id == "a"  # type: ignore[union-attr]
+    assert EngineRecord.unpack(idle_eval.pack()).role == "eval"
+
+
+def test_the_controller_registers_its_eval_engines_with_the_eval_role(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from rollout_bus.controller.config import ControllerConfig
+
+    cfg = ControllerConfig(num_engines=2, eval_engines=1, base_policy="p", model_path=str(tmp_path),
+                           weights_root=str(tmp_path)).validate()
+    assert cfg.expected_engines() == {"engine-0": "p", "engine-1": "p", "engine-eval-0": "p"}
+    assert cfg.eval_engine_ids() == ["engine-eval-0"] and cfg.total_engines == 3
+    from rollout_bus.controller.config import ConfigError
+
+    with pytest.raises(ConfigError, match="eval_engines must be >= 0"):
+        ControllerConfig(num_engines=1, eval_engines=-1, model_path=str(tmp_path), weights_root=str(tmp_path)).validate()

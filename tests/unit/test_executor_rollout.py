@@ -93,3 +93,16 @@ def test_pass_at_n_counts_correct_answers_not_partial_credit() -> None:
     # Without the reward's own verdict, only full reward counts: partial credit is not a pass.
     assert pass_at_n([[made(0.5), made(0.0)], [made(1.0)]]) == 0.5
     assert pass_at_n([]) == 0.0
+
+
+def test_over_sampling_with_the_filter_fills_the_batch_in_one_round(fake_client: fakeredis.FakeRedis,
+                                                                     keys: Keys) -> None:
+    # odd groups have no reward spread: drawing twice as many as needed fills the batch without a second round
+    filtered = run(RolloutRequest("p", 0, 2, 2, over_sample_groups=4), fake_client, keys,
+                   filter_path="rollout_bus.executor.filters.nonzero_reward_std")
+    assert filtered.train_data is not None and filtered.train_data.metadata["prompt_indices"] == [0, 2]
+    assert filtered.metrics["sampling_rounds"] == 1 and filtered.metrics["groups_drawn"] == 4
+    assert filtered.metrics["groups_filtered"] >= 1 and filtered.train_data.metadata["filtered"]
+    plain = run(RolloutRequest("p", 1, 2, 2), fake_client, keys,
+                filter_path="rollout_bus.executor.filters.nonzero_reward_std")
+    assert plain.metrics["sampling_rounds"] >= 2  # without over-sampling the filter costs a round

@@ -87,8 +87,8 @@ def test_async_mode_never_trains_beyond_the_staleness_budget(tmp_path: Path, mod
     assert all(s.metrics["staleness_max"] <= 1 for s in steps)
     assert max(state.staleness_hist) <= 1
     consumed = events_of(client, keys.trainer_stream, BatchConsumed)
-    dropped = [c for c in consumed if not c.accepted]
-    assert dropped and all(c.staleness > 1 for c in dropped)
+    dropped = [c for c in consumed if not c.accepted and not c.reason.startswith("no signal")]
+    assert dropped and all(c.staleness > 1 for c in dropped)  # besides batches without signal, only stale ones
     assert state.counters["stale_groups"] >= 2
     assert {c.batch_id for c in consumed if c.accepted} == {b for _, b in state.trained}
 
