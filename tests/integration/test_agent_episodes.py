@@ -23,13 +23,12 @@ from rollout_bus.events.sessions import SessionStore
 from rollout_bus.events.submit import RolloutSubmitter
 from rollout_bus.executor.agents import session_id
 from rollout_bus.gateway.tito import digest, trajectory
-from rollout_bus.lm.model import ModelConfig
 from rollout_bus.replay.exporter import export_log
 from rollout_bus.replay.logfile import LogReader, decode_entries, only_entries
 from rollout_bus.replay.payloads import payload_store
 from rollout_bus.replay.timeline import render, timeline
 from rollout_bus.replay.verify import verify_log
-from tests.engine_proc import EngineProcess, call, make_weights_dir
+from tests.engine_proc import EngineProcess, call
 from tests.support.executor_procs import (
     ExecutorProcess,
     batch_ready,
@@ -50,15 +49,13 @@ GUESS = ("--data-source", "rollout_bus.tasks.guess.GuessSource", "--data-source-
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_weights_dir(tmp_path_factory.mktemp("tiny"), seed=1, config=ModelConfig(max_seq_len=512))
+def model(agent_model: Path) -> Path:
+    return agent_model
 
 
 @pytest.fixture(scope="module")
-def engine(model: Path) -> Iterator[EngineProcess]:
-    proc = EngineProcess(model)
-    yield proc
-    proc.stop()
+def engine(agent_engine: EngineProcess) -> EngineProcess:
+    return agent_engine
 
 
 def agent_args(model: Path, agent: str, *extra: str) -> list[str]:
@@ -71,6 +68,16 @@ def executors() -> Iterator[list[ExecutorProcess]]:
     yield started
     for proc in started:
         proc.kill()
+
+
+def export(client: redis.Redis, keys: Keys, path: Path) -> Path:
+    """The namespace's event log with its batch payloads, as `rollout-bus replay export` writes it."""
+    store = payload_store(client, keys)
+    try:
+        export_log(client, keys, path, payloads=store)
+    finally:
+        store.close()
+    return path
 
 
 def sessions_closed(client: redis.Redis, keys: Keys) -> list[SessionClosed]:
@@ -109,12 +116,7 @@ def test_an_agent_run_makes_one_sample_per_episode(redis_server: RedisServer, re
     metrics = rollout_events(redis_client, keys, "RolloutCompleted")[0].metrics
     assert metrics["turns_mean"] >= 1 and "environment_s" in metrics
     # the log replays: the timeline draws every session and its turns, verify finds each sample is its journal
-    log_path = tmp_path / "run.rblog"
-    store_ = payload_store(redis_client, keys)
-    try:
-        export_log(redis_client, keys, log_path, payloads=store_)
-    finally:
-        store_.close()
+    log_path = export(redis_client, keys, tmp_path / "run.rblog")
     assert verify_log(log_path) == []
     with LogReader(log_path) as reader:
         text = render(timeline(decode_entries(only_entries(reader))), max_batches=0)
@@ -122,12 +124,7 @@ def test_an_agent_run_makes_one_sample_per_episode(redis_server: RedisServer, re
     # a sample that is not its journal is caught: the session closes again with another digest
     forged = dataclasses.replace(next(iter(closed.values())), digest="0" * 16, event_id=uuid.uuid4().hex, seq=0)
     Publisher(redis_client, keys, forged.producer).publish(keys.session_stream, forged)
-    store_ = payload_store(redis_client, keys)
-    try:
-        export_log(redis_client, keys, tmp_path / "forged.rblog", payloads=store_)
-    finally:
-        store_.close()
-    problems = verify_log(tmp_path / "forged.rblog")
+    problems = verify_log(export(redis_client, keys, tmp_path / "forged.rblog"))
     assert [p.kind for p in problems] == ["session_mismatch"] and forged.session_id in problems[0].message
 
 

@@ -5,7 +5,6 @@ verifiers' own rollout (its interception server, its harness, its rubric)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,9 @@ from rollout_bus.events.sessions import SessionStore
 from rollout_bus.gateway.tito import trajectory
 from rollout_bus.launch.config import RunConfig
 from rollout_bus.launch.job import run_job
-from rollout_bus.lm.model import ModelConfig
 from rollout_bus.tasks.guess import answer, first_number, score
 from rollout_bus.tasks.verifiers_env import VerifiersSource, episode, make_env, rollout, task_of
-from tests.engine_proc import EngineProcess, call, make_weights_dir
+from tests.engine_proc import EngineProcess, call
 from tests.support.executor_procs import register_engines
 from tests.support.gateway import GatewayThread
 
@@ -37,15 +35,13 @@ GAMES = 6
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_weights_dir(tmp_path_factory.mktemp("tiny"), seed=1, config=ModelConfig(max_seq_len=512))
+def model(agent_model: Path) -> Path:
+    return agent_model
 
 
 @pytest.fixture(scope="module")
-def engine(model: Path) -> Iterator[EngineProcess]:
-    proc = EngineProcess(model)
-    yield proc
-    proc.stop()
+def engine(agent_engine: EngineProcess) -> EngineProcess:
+    return agent_engine
 
 
 def open_session(gateway: GatewayThread, sid: str) -> openai.AsyncOpenAI:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pytest
 
 from rollout_bus.events.connection import connect
 from rollout_bus.events.names import Keys
@@ -15,6 +17,8 @@ from rollout_bus.events.registry import EngineRecord, EngineState, Registry
 from rollout_bus.gateway.chat import ChatFormat, load_format
 from rollout_bus.gateway.server import Running, make_gateway, serve
 from rollout_bus.gateway.service import Gateway
+from rollout_bus.lm.model import ModelConfig
+from tests.engine_proc import EngineProcess, make_weights_dir
 
 T = TypeVar("T")
 
@@ -49,6 +53,19 @@ def set_state(redis_url: str, keys: Keys, engine_id: str, state: EngineState) ->
         registry.put_engine(record)
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def agent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LM with room for several turns (the default has 64 positions)."""
+    return make_weights_dir(tmp_path_factory.mktemp("tiny"), seed=1, config=ModelConfig(max_seq_len=512))
+
+
+@pytest.fixture(scope="module")
+def agent_engine(agent_model: Path) -> Iterator[EngineProcess]:
+    proc = EngineProcess(agent_model)
+    yield proc
+    proc.stop()
 
 
 class GatewayThread:
