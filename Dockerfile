@@ -24,6 +24,7 @@ COPY lm/ lm/
 COPY tasks/ tasks/
 COPY replay/ replay/
 COPY launch/ launch/
+COPY gateway/ gateway/
 # EXTRA_PIP: more packages for a tools image, e.g. "rq-dashboard==0.9.0 six" (compose's rq-dashboard).
 ARG EXTRA_PIP=""
 RUN pip install . ${EXTRA_PIP} \

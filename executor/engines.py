@@ -118,11 +118,13 @@ class EngineRouter:
     def choose(self, records: Sequence[EngineRecord], policy: str, avoid: set[str], *,
                evaluating: bool = False) -> EngineRecord | None:
         """The engine for one call: a training call never takes an eval engine (``EngineRecord.evaluates``);
-        an eval call takes one when any serves the policy, else any engine."""
+        an eval call takes only eval engines while any is registered for the policy (it waits for one that is
+        updating), else any engine."""
         now = time.monotonic()
         serving = [r for r in records if r.serves(policy) and self._cooling.get(r.engine_id, 0.0) <= now]
-        if evaluating:
-            serving = [r for r in serving if r.evaluates] or serving
+        if evaluating:  # the eval engines while any is registered for the policy (even mid-update), else any
+            own = any(r.evaluates and policy in r.versions for r in records)
+            serving = [r for r in serving if r.evaluates] if own else serving
         else:
             serving = [r for r in serving if not r.evaluates]
         fresh = [r for r in serving if r.engine_id not in avoid] or serving

@@ -48,7 +48,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = "p0"
 STEPS = 5
-WARM_STEPS = 60  # a short warm start (cached across runs): the replay does not need a good policy
+WARM_STEPS = 400  # the default warm start (cached across runs): a policy that gets some answers right, so every
+# step has signal (a batch without any takes no optimiser step and publishes no version)
 RUN_ARGS = ["--mode", "one-step", "--steps", str(STEPS), "--seed", "0", "--n-groups", "4", "--n-samples", "4",
             "--warm-steps", str(WARM_STEPS), "--no-progress", "--no-plot", "--timeout-s", "120"]
 
