@@ -84,6 +84,10 @@ class Picture:
     """Each answer to a scale command (``EnginesScaled``): subject the pool, detail from, to, outcome, who asked."""
     steps: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Per trainer: (ms, step) of each ``TrainStepDone``."""
+    turns: list[Mark] = field(default_factory=list)
+    """Agent session turns (``SessionTurn``): kind ``engine`` or ``journal``, subject the session, detail the turn."""
+    sessions_closed: list[Mark] = field(default_factory=list)
+    """Agent sessions ending (``SessionClosed``): kind their status."""
     events: int = 0
 
     def counts(self) -> str:
@@ -170,6 +174,16 @@ def picture(entries: Iterable[LogEntry]) -> Picture:
                                                                  f"{ev.outcome}, asked by {ev.requested_by}{reason}"))
             elif isinstance(ev, s.TrainStepDone):
                 pic.steps.setdefault(ev.trainer_id, []).append((ms, ev.step))
+            elif isinstance(ev, s.SessionTurn):
+                versions = (str(ev.oldest_version) if ev.oldest_version == ev.newest_version
+                            else f"{ev.oldest_version}..{ev.newest_version}")
+                pic.turns.append(Mark(ms, "journal" if ev.from_journal else "engine", ev.session_id,
+                                      f"turn {ev.turn} on {ev.engine_id}: {ev.new_tokens} tokens in, "
+                                      f"{ev.output_tokens} out ({ev.cached_tokens} cached), version {versions}"))
+            elif isinstance(ev, s.SessionClosed):
+                pic.sessions_closed.append(Mark(ms, ev.status, ev.session_id,
+                                                f"{ev.status} after {ev.turns} turns, reward {ev.reward:g}"
+                                                + (f": {ev.reason}" if ev.reason else "")))
     pic.start_ms, pic.end_ms, pic.events = first or 0, last, t.events
     # an engine id seen only in weight events (a superseded update names none) is no engine's lane
     pic.lanes = [_lane(t, e, last) for e in sorted(t.engines) if t.engines[e].history]

@@ -125,6 +125,21 @@ def _rows(c: _Canvas) -> None:
         for mark in restarts.get(("trainer", trainer), []):
             c.triangle(mark, c.y - 14, "restart")
         c.y += ROW_H
+    if pic.turns:
+        c.label(f"session turns ({len(pic.turns)})", c.y + 4, bold=True)
+        for mark in pic.turns:  # hollow: answered from the journal (a retried episode)
+            title = f"session {mark.subject} at {c.t(mark.ms)}: {mark.detail}" + (
+                " (from the journal)" if mark.kind == "journal" else "")
+            fill = "#ffffff" if mark.kind == "journal" else "#6a51a3"
+            c.parts.append(f'<circle class="turn" cx="{c.x(mark.ms):.1f}" cy="{c.y:.1f}" r="3" fill="{fill}" '
+                           f'stroke="#6a51a3"><title>{escape(title)}</title></circle>')
+        for mark in pic.sessions_closed:
+            title = f"session {mark.subject} at {c.t(mark.ms)}: {mark.detail}"
+            colour = "#6a51a3" if mark.kind == "closed" else MARK_COLOUR
+            c.parts.append(f'<line class="session-end" x1="{c.x(mark.ms):.1f}" y1="{c.y - 7:.1f}" '
+                           f'x2="{c.x(mark.ms):.1f}" y2="{c.y + 7:.1f}" stroke="{colour}">'
+                           f'<title>{escape(title)}</title></line>')
+        c.y += ROW_H
     if pic.scalings:
         c.label(f"scaling ({len(pic.scalings)})", c.y + 4, bold=True)
         for mark in pic.scalings:

@@ -70,6 +70,10 @@ def _rows(pic: Picture, sec: Callable[[int], float]) -> list[tuple[str, Draw]]:
     for trainer, steps in sorted(pic.steps.items()):
         restarts = [sec(m.ms) for m in pic.restarts if (m.kind, m.subject) == ("trainer", trainer)]
         rows.append((trainer, both(ticks([sec(ms) for ms, _ in steps]), marks(restarts, "v", 0.45))))
+    if pic.turns:
+        rows.append((f"session turns ({len(pic.turns)})",
+                     both(marks([sec(m.ms) for m in pic.turns if m.kind == "engine"], "o"),
+                          marks([sec(m.ms) for m in pic.turns if m.kind == "journal"], "s"))))
     if pic.scalings:
         rows.append((f"scaling ({len(pic.scalings)})", marks([sec(m.ms) for m in pic.scalings], "D")))
     rows.append((f"dead letters ({len(pic.dead_letters)})", marks([sec(m.ms) for m in pic.dead_letters], "x")))

@@ -26,6 +26,9 @@ from rollout_bus.gateway.tito import digest, trajectory
 from rollout_bus.replay.exporter import export_log
 from rollout_bus.replay.logfile import LogReader, decode_entries, only_entries
 from rollout_bus.replay.payloads import payload_store
+from rollout_bus.replay.picture import picture
+from rollout_bus.replay.picture_html import render_html
+from rollout_bus.replay.picture_png import write_png
 from rollout_bus.replay.timeline import render, timeline
 from rollout_bus.replay.verify import verify_log
 from tests.engine_proc import EngineProcess, call
@@ -121,6 +124,12 @@ def test_an_agent_run_makes_one_sample_per_episode(redis_server: RedisServer, re
     with LogReader(log_path) as reader:
         text = render(timeline(decode_entries(only_entries(reader))), max_batches=0)
     assert "SESSIONS (closed=4" in text and all(sid in text for sid in closed)
+    with LogReader(log_path) as reader:  # and the picture marks every turn and every ending
+        pic = picture(reader.entries())
+    assert len(pic.turns) == sum(r["turns"] for r in sessions) and len(pic.sessions_closed) == 4
+    html = render_html(pic)
+    assert html.count('class="turn"') == len(pic.turns) and html.count('class="session-end"') == 4
+    assert write_png(pic, tmp_path / "run.png").stat().st_size > 0
     # a sample that is not its journal is caught: the session closes again with another digest
     forged = dataclasses.replace(next(iter(closed.values())), digest="0" * 16, event_id=uuid.uuid4().hex, seq=0)
     Publisher(redis_client, keys, forged.producer).publish(keys.session_stream, forged)
