@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import redis
 
-from rollout_bus.events.batch import Buffer, EncodedBatch
+from rollout_bus.events.batch import ArrivalHasher, Batch, Buffer, EncodedBatch, decode
 from rollout_bus.events.connection import Guard, is_sentinel_client
 from rollout_bus.events.errors import BusUnavailable, DecodeError, PayloadMissing, RedisCommandError
 from rollout_bus.events.names import Keys
@@ -97,8 +98,12 @@ class RedisStore(PayloadStore):
                         b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s)]
 
             def send(conn: RespConnection) -> None:
-                batch.start_checksum()  # hashing runs while the later chunks go out; chunk 0 (the header) last
-                conn.send([f for i in range(1, len(chunks)) for f in frames(i)])
+                # chunk 0 (the header, which carries the checksum) goes last; the tensor bytes of every other
+                # chunk are hashed right after it is sent, while they are in cache, in this thread
+                batch.hash_through(self.chunk_bytes)
+                for i in range(1, len(chunks)):
+                    conn.send(frames(i))
+                    batch.hash_through((i + 1) * self.chunk_bytes)
                 batch.finish()
                 conn.send(frames(0))
                 self._check_replies(conn, len(chunks))
@@ -119,9 +124,27 @@ class RedisStore(PayloadStore):
         return ref, nbytes, chunk_bytes, [self.keys.payload_chunk(ref, i) for i in range(chunks)]
 
     def get(self, reference: Reference) -> PayloadBuffer:
+        return self._get(reference, None)
+
+    def read_batch(self, reference: Reference, *, verify: bool = True) -> Batch:
+        """The batch, its checksum taken chunk by chunk as each arrives (from cache, while the next chunks
+        are on their way), so that verifying it costs no pass of its own over the bytes."""
+        if not verify or self._conn is None:
+            return decode(self._get(reference, None), verify=verify)
+        holder: list[ArrivalHasher] = []
+        view = self._get(reference, holder)
+        return holder[0].decode() if holder else decode(view)
+
+    def _get(self, reference: Reference, hasher: list[ArrivalHasher] | None) -> memoryview:
+        """The payload's bytes in one fresh buffer; with ``hasher`` (raw connection only), an
+        ``ArrivalHasher`` over that buffer, fed as chunks arrive, is put in it."""
         ref, nbytes, chunk_bytes, names = self._layout(reference)
         out = np.empty(nbytes, dtype=np.uint8)  # numpy asks for huge pages: cheap page faults
         view = out.data
+        arrived: Callable[[int], None] | None = None
+        if hasher is not None:
+            hasher.append(ArrivalHasher(view))
+            arrived = hasher[0].arrived
         if self._conn is None:
             values = self._call(lambda c: c.mget(names))
             if any(v is None for v in values):
@@ -132,7 +155,7 @@ class RedisStore(PayloadStore):
                 pos += len(v)
             if pos != nbytes:
                 raise DecodeError(f"payload {ref} holds {pos} bytes, its reference says {nbytes}")
-        elif not self._raw(lambda c: self._windowed_get(c, names, view, chunk_bytes)):
+        elif not self._raw(lambda c: self._windowed_get(c, names, view, chunk_bytes, arrived)):
             raise self._missing(ref)
         return view
 
@@ -175,7 +198,10 @@ class RedisStore(PayloadStore):
         if error is not None:
             raise error
 
-    def _windowed_get(self, conn: RespConnection, names: list[str], out: memoryview, chunk_bytes: int) -> bool:
+    def _windowed_get(self, conn: RespConnection, names: list[str], out: memoryview, chunk_bytes: int,
+                      arrived: Callable[[int], None] | None = None) -> bool:
+        """GET every chunk into its place in ``out``, ``window`` requests in flight; ``arrived(n)`` after each
+        chunk (the first ``n`` bytes are in place). False when a chunk is missing."""
         def request(i: int) -> list[bytes | memoryview]:
             args: list[Arg] = ["GET", names[i]]
             return pack_command(args)
@@ -187,6 +213,8 @@ class RedisStore(PayloadStore):
             if i + first < len(names):
                 conn.send(request(i + first))
             found = conn.read_bulk_into(out[i * chunk_bytes:(i + 1) * chunk_bytes]) and found
+            if arrived is not None and found:
+                arrived(min((i + 1) * chunk_bytes, out.nbytes))
         return found
 
     def _raw(self, fn: Any) -> Any:
