@@ -1,0 +1,154 @@
+"""Where the redis store's time goes on a 64 MiB batch, and its earlier write and read paths beside it.
+
+One process plays both sides against a private redis-server (the bench_handoff shape without the
+process hop), interleaved round by round:
+
+* put, as now: each chunk sent, then its tensor bytes hashed in this thread while in cache
+  (``EncodedBatch.hash_through``), the header chunk last;
+* put, as before: the checksum hashed by a background thread (``start_checksum``) while every
+  chunk but the header goes out in one scatter-gather send;
+* fetch, as now: ``RedisStore.read_batch`` (each chunk hashed as it arrives, bulk replies
+  received in place);
+* fetch, as before: ``get`` with the reply's length line read 64 KiB at a time (taking part of
+  every chunk through the connection's buffer), then ``decode`` with a full verify pass.
+
+Per phase: median wall ms, and CPU ms of this process and of redis-server (``/proc``), which
+load from other processes inflates less than wall time.
+
+    python bench/profile_redis.py [--reps 15] [--window 2] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_handoff import make_tensors  # noqa: E402
+from verdict import OutsideLoad, parse_stat  # noqa: E402
+
+import rollout_bus.events.payload.resp as resp  # noqa: E402
+from rollout_bus.events.batch import EncodedBatch, decode, encode  # noqa: E402
+from rollout_bus.events.connection import connect  # noqa: E402
+from rollout_bus.events.embedded import RedisServer  # noqa: E402
+from rollout_bus.events.names import Keys  # noqa: E402
+from rollout_bus.events.payload.redis import RedisStore, split_chunks  # noqa: E402
+
+TTL_S = 60
+
+
+def cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        parsed = parse_stat(f.read())
+    return parsed[2] if parsed else 0
+
+
+def put_before(store: RedisStore, ref: str, batch: EncodedBatch) -> None:
+    """The write path as it was: background hash during one send of every chunk but the header."""
+    chunks = split_chunks(batch.buffers, store.chunk_bytes)
+    names = [store.keys.payload_chunk(ref, i) for i in range(len(chunks))]
+
+    def frames(i: int) -> list[bytes | memoryview]:
+        size = sum(p.nbytes for p in chunks[i])
+        name = names[i].encode()
+        return [b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, size), *chunks[i],
+                b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(TTL_S)), TTL_S)]
+
+    def send(conn: Any) -> None:
+        batch.start_checksum()
+        conn.send([f for i in range(1, len(chunks)) for f in frames(i)])
+        batch.finish()
+        conn.send(frames(0))
+        store._check_replies(conn, len(chunks))
+    store._raw(send)
+
+
+def fetch_before(store: RedisStore, reference: dict[str, Any]) -> Any:
+    saved, resp._LINE_READ = resp._LINE_READ, resp._READ_SIZE
+    try:
+        view = store.get(reference)
+    finally:
+        resp._LINE_READ = saved
+    return decode(view)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="then cProfile 5 rounds of the current paths")
+    args = ap.parse_args(argv)
+    tensors = make_tensors(64)
+    hz = os.sysconf("SC_CLK_TCK")
+    with RedisServer() as server, OutsideLoad() as outside:
+        assert server.proc is not None
+        spid = server.proc.pid
+        client = connect(server.url)
+        store = RedisStore(client, Keys(f"prof{uuid.uuid4().hex[:6]}"), window=args.window)
+        refs: dict[str, Any] = {}
+
+        def put_now(i: int) -> None:
+            refs["now"] = store.put(f"p:now{i}", encode(tensors, {"i": i}, defer_checksum=True), TTL_S)
+
+        def put_old(i: int) -> None:
+            batch = encode(tensors, {"i": i}, defer_checksum=True)
+            ref = f"p:old{i}"
+            put_before(store, ref, batch)
+            refs["old"] = {"store": "redis", "ref": ref, "nbytes": batch.nbytes,
+                           "chunks": len(split_chunks(batch.buffers, store.chunk_bytes)),
+                           "chunk_bytes": store.chunk_bytes}
+
+        phases: dict[str, Callable[[int], object]] = {
+            "put, now (hash each chunk after sending it)": put_now,
+            "put, before (background hash, one send)": put_old,
+            "fetch, now (hash chunks as they arrive)": lambda i: store.read_batch(refs["now"]),
+            "fetch, before (get, then decode's verify)": lambda i: fetch_before(store, refs["old"]),
+        }
+        wall: dict[str, list[float]] = {k: [] for k in phases}
+        cpu: dict[str, list[float]] = {k: [] for k in phases}
+        rcpu: dict[str, list[float]] = {k: [] for k in phases}
+        for i in range(args.warmup + args.reps):
+            for name, fn in phases.items():
+                w0, c0, r0 = time.perf_counter(), time.process_time(), cpu_ticks(spid)
+                fn(i)
+                w1, c1, r1 = time.perf_counter(), time.process_time(), cpu_ticks(spid)
+                if i >= args.warmup:
+                    wall[name].append(w1 - w0)
+                    cpu[name].append(c1 - c0)
+                    rcpu[name].append((r1 - r0) / hz)
+            store.delete(refs["now"])
+            store.delete(refs["old"])
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(5):
+                put_now(i)
+                store.read_batch(refs["now"])
+                store.delete(refs["now"])
+            prof.disable()
+        store.close()
+        client.close()
+    print(f"64 MiB, redis store window {args.window}; medians of {args.reps} rounds (min); {outside.load.describe()}")
+    print(f"{'phase':46} {'wall ms':>14} {'this CPU ms':>14} {'redis CPU ms':>13}")
+    for name in phases:
+        print(f"{name:46} {statistics.median(wall[name]) * 1e3:7.1f} ({min(wall[name]) * 1e3:5.1f}) "
+              f"{statistics.median(cpu[name]) * 1e3:7.1f} ({min(cpu[name]) * 1e3:5.1f}) "
+              f"{statistics.median(rcpu[name]) * 1e3:13.0f}")
+    if args.profile:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
