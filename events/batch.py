@@ -239,33 +239,48 @@ def _copy_piece(dst: np.ndarray, src: np.ndarray) -> int:
 
 def _copy_and_hash(pieces: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> list[int]:
     """Digests of ``pieces`` (destination, source) copied by ``_copy_piece``, taken in turn by the caller
-    and, for a large batch, helper threads; waits for every helper to finish the piece it took (a
-    helper still copying when the buffer is handed on would write into it later)."""
+    and, for a large batch, helper threads. Once the caller has no piece left to take it closes the
+    work: a helper not yet scheduled then exits without touching anything (no wait for it), and the
+    caller waits only for helpers in the middle of a piece (one still copying when the buffer is
+    handed on would write into it later)."""
     digests: list[int] = [0] * len(pieces)
     taken = itertools.count()
     failed: list[BaseException] = []
+    lock = threading.Lock()
+    idle = threading.Condition(lock)
+    state = {"closed": False, "active": 0}
 
-    def work() -> None:
-        while (i := next(taken)) < len(pieces):
-            digests[i] = _copy_piece(*pieces[i])
+    def work(helper: bool) -> None:
+        while True:
+            with lock:
+                if state["closed"]:
+                    return
+                i = next(taken)
+                if i >= len(pieces):
+                    return
+                if helper:
+                    state["active"] += 1
+            try:
+                digests[i] = _copy_piece(*pieces[i])
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller
+                failed.append(exc)
+                return
+            finally:
+                if helper:
+                    with lock:
+                        state["active"] -= 1
+                        idle.notify_all()
 
-    exits: list[threading.Event] = []
     if nbytes >= PARALLEL_HASH_MIN_BYTES and MAX_HASH_THREADS > 1:
         for _ in range(min(MAX_HASH_THREADS - 1, len(pieces) - 1)):
-            exited = threading.Event()
-            exits.append(exited)
-
-            def helper(exited: threading.Event = exited) -> None:
-                try:
-                    work()
-                except BaseException as exc:  # noqa: BLE001 - raised in the caller below
-                    failed.append(exc)
-                finally:
-                    exited.set()
-            _thread.start_new_thread(helper, ())
-    work()
-    for exited in exits:
-        exited.wait()
+            _thread.start_new_thread(work, (True,))  # not threading.Thread: its start() waits for the thread
+    try:
+        work(False)
+    finally:
+        with lock:
+            state["closed"] = True
+            while state["active"]:
+                idle.wait()
     if failed:
         raise failed[0]
     return digests
