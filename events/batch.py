@@ -646,7 +646,8 @@ class ArrivalHasher:
                 self._given_up = True  # not in arrival order: a full verify at decode
                 return
             self._layout = layout
-            self._stream = _InOrder(pieces, lambda lo, hi: self.mv[lo:hi])
+            mv = self.mv  # not ``self``: a closure over it would be a cycle keeping the buffer alive until a GC
+            self._stream = _InOrder(pieces, lambda lo, hi: mv[lo:hi])
         assert self._stream is not None
         self._stream.feed(min(n, self.mv.nbytes))
 

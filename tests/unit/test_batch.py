@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import struct
+import weakref
 
 import msgpack
 import numpy as np
@@ -339,3 +341,22 @@ def test_hashing_an_encoded_batch_through_its_sent_bytes_gives_the_same_checksum
     out = bytearray(partly.nbytes)
     partly.write_into(out)  # copies, and finishes the hash of the rest
     assert bytes(out) == reference
+
+
+def test_a_batch_hashed_as_it_arrives_frees_its_buffer_without_waiting_for_a_gc() -> None:
+    wire = encode(_arrival_fields(), {"k": 1}).tobytes()
+    gc.collect()
+    gc.disable()  # a reference cycle would keep the buffer (64 MiB in the stores) alive until a collection
+    try:
+        arr = np.empty(len(wire), dtype=np.uint8)
+        arr[:] = np.frombuffer(wire, dtype=np.uint8)
+        alive = weakref.ref(arr)
+        hasher = ArrivalHasher(arr.data)
+        for pos in range(0, len(wire) + (1 << 20), 1 << 20):
+            hasher.arrived(min(pos, len(wire)))
+        batch = hasher.decode()
+        assert batch.meta == {"k": 1}
+        del arr, hasher, batch
+        assert alive() is None
+    finally:
+        gc.enable()
