@@ -1,12 +1,12 @@
-"""Where the redis store's time goes on a 64 MiB batch, and its earlier write and read paths beside it.
+"""Where the redis store's time goes on a 64 MiB batch, and its earlier read path beside it.
 
 One process plays both sides against a private redis-server (the bench_handoff shape without the
 process hop), interleaved round by round:
 
-* put, as now: each chunk sent, then its tensor bytes hashed in this thread while in cache
-  (``EncodedBatch.hash_through``), the header chunk last;
-* put, as before: the checksum hashed by a background thread (``start_checksum``) while every
-  chunk but the header goes out in one scatter-gather send;
+* put, with one of two writer variants: the store's (the checksum hashed by helper threads while
+  every chunk but the header goes out in one scatter-gather send, the header chunk last), and
+  each chunk's tensor bytes hashed in this thread right after the chunk is sent (tried, and
+  measured slower between processes; kept here as the comparison);
 * fetch, as now: ``RedisStore.read_batch`` (each chunk hashed as it arrives, bulk replies
   received in place);
 * fetch, as before: ``get`` with the reply's length line read 64 KiB at a time (taking part of
@@ -35,11 +35,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import xxhash  # noqa: E402
 from bench_handoff import make_tensors  # noqa: E402
 from verdict import OutsideLoad, parse_stat  # noqa: E402
 
 import rollout_bus.events.payload.resp as resp  # noqa: E402
-from rollout_bus.events.batch import EncodedBatch, decode, encode  # noqa: E402
+from rollout_bus.events.batch import HASH_CHUNK, EncodedBatch, _combine, decode, encode  # noqa: E402
 from rollout_bus.events.connection import connect  # noqa: E402
 from rollout_bus.events.embedded import RedisServer  # noqa: E402
 from rollout_bus.events.names import Keys  # noqa: E402
@@ -54,10 +55,21 @@ def cpu_ticks(pid: int) -> int:
     return parsed[2] if parsed else 0
 
 
-def put_before(store: RedisStore, ref: str, batch: EncodedBatch) -> None:
-    """The write path as it was: background hash during one send of every chunk but the header."""
+def put_inline(store: RedisStore, ref: str, batch: EncodedBatch) -> None:
+    """The writer variant that was tried: each chunk's tensor bytes hashed in this thread after it is sent."""
     chunks = split_chunks(batch.buffers, store.chunk_bytes)
     names = [store.keys.payload_chunk(ref, i) for i in range(len(chunks))]
+    views = [memoryview(b).cast("B") for b in batch.buffers]
+    fields = [i for i, b in enumerate(batch.buffers) if id(b) in batch._fields]  # noqa: SLF001
+    starts = [sum(v.nbytes for v in views[:i]) for i in range(len(views))]
+    hashers = [xxhash.xxh3_64() for _ in batch._hasher.pieces]  # noqa: SLF001
+    pieces = [(starts[i] + j, starts[i] + min(j + HASH_CHUNK, views[i].nbytes), views[i][j:j + HASH_CHUNK])
+              for i in fields for j in range(0, views[i].nbytes, HASH_CHUNK)]
+
+    def hash_through(n: int, done: list[int]) -> None:
+        while done[0] < len(pieces) and pieces[done[0]][1] <= n:
+            hashers[done[0]].update(pieces[done[0]][2])
+            done[0] += 1
 
     def frames(i: int) -> list[bytes | memoryview]:
         size = sum(p.nbytes for p in chunks[i])
@@ -66,12 +78,16 @@ def put_before(store: RedisStore, ref: str, batch: EncodedBatch) -> None:
                 b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(TTL_S)), TTL_S)]
 
     def send(conn: Any) -> None:
-        batch.start_checksum()
-        conn.send([f for i in range(1, len(chunks)) for f in frames(i)])
-        batch.finish()
+        done = [0]
+        hash_through(store.chunk_bytes, done)
+        for i in range(1, len(chunks)):
+            conn.send(frames(i))
+            hash_through((i + 1) * store.chunk_bytes, done)
+        hash_through(batch.nbytes, done)
+        batch._set_checksum(_combine([h.intdigest() for h in hashers]))  # noqa: SLF001
         conn.send(frames(0))
-        store._check_replies(conn, len(chunks))
-    store._raw(send)
+        store._check_replies(conn, len(chunks))  # noqa: SLF001
+    store._raw(send)  # noqa: SLF001
 
 
 def fetch_before(store: RedisStore, reference: dict[str, Any]) -> Any:
@@ -105,14 +121,14 @@ def main(argv: list[str] | None = None) -> None:
         def put_old(i: int) -> None:
             batch = encode(tensors, {"i": i}, defer_checksum=True)
             ref = f"p:old{i}"
-            put_before(store, ref, batch)
+            put_inline(store, ref, batch)
             refs["old"] = {"store": "redis", "ref": ref, "nbytes": batch.nbytes,
                            "chunks": len(split_chunks(batch.buffers, store.chunk_bytes)),
                            "chunk_bytes": store.chunk_bytes}
 
         phases: dict[str, Callable[[int], object]] = {
-            "put, now (hash each chunk after sending it)": put_now,
-            "put, before (background hash, one send)": put_old,
+            "put (helpers hash while the chunks go out)": put_now,
+            "put, tried: hash each chunk after sending it": put_old,
             "fetch, now (hash chunks as they arrive)": lambda i: store.read_batch(refs["now"]),
             "fetch, before (get, then decode's verify)": lambda i: fetch_before(store, refs["old"]),
         }

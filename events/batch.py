@@ -21,7 +21,6 @@ GIL). Nothing here unpickles: malformed input raises ``DecodeError`` and nothing
 from __future__ import annotations
 
 import _thread
-import bisect
 import itertools
 import math
 import os
@@ -132,46 +131,15 @@ class EncodedBatch:
         self._keep = keep
         self._checksum_at = checksum_at
         self._checksum: int | None = None
-        self._in_order: _InOrder | None = None
 
     def start_checksum(self) -> None:
-        """Begin hashing in background threads (no-op once started or finished, or once ``hash_through``
-        began)."""
-        if self._checksum is None and self._in_order is None:
+        """Begin hashing in background threads (no-op once started or finished)."""
+        if self._checksum is None:
             self._hasher.start(max(1, MAX_HASH_THREADS - 1))
 
-    def hash_through(self, n: int) -> None:
-        """Hash the tensor bytes among the first ``n`` bytes of the encoded batch, in order, in this
-        thread: a store that has just sent or copied those bytes calls it while they are still in
-        cache. No-op once the background hash started or the checksum is known."""
-        if self._checksum is not None or self._hasher._started:
-            return
-        if self._in_order is None:
-            starts: list[int] = []
-            views: list[memoryview] = []
-            pieces: list[tuple[int, int]] = []
-            pos = len(self.buffers[0])
-            for buf in self.buffers[1:]:
-                size = memoryview(buf).nbytes
-                if id(buf) in self._fields:
-                    starts.append(pos)
-                    views.append(memoryview(buf).cast("B"))
-                    pieces += [(pos + i, pos + min(i + HASH_CHUNK, size)) for i in range(0, size, HASH_CHUNK)]
-                pos += size
-
-            def view(lo: int, hi: int) -> memoryview:
-                k = bisect.bisect_right(starts, lo) - 1
-                return views[k][lo - starts[k]:hi - starts[k]]
-            self._in_order = _InOrder(pieces, view)
-        self._in_order.feed(n)
-
     def finish(self) -> int:
-        """Complete the checksum (helping the background threads, or hashing what ``hash_through`` has not)
-        and write it into the header."""
-        if self._checksum is None and self._in_order is not None:
-            self._in_order.feed(self.nbytes)
-            self._set_checksum(_combine(self._in_order.digests))
-        elif self._checksum is None:
+        """Complete the checksum (helping the background threads) and write it into the header."""
+        if self._checksum is None:
             self._set_checksum(self._hasher.result())
         assert self._checksum is not None
         return self._checksum
@@ -201,7 +169,7 @@ class EncodedBatch:
         is copied and its hash finished as it is."""
         dst = np.frombuffer(out, dtype=np.uint8)
         pos = offset + len(self.buffers[0])
-        if self._checksum is not None or self._hasher._started or self._in_order is not None:
+        if self._checksum is not None or self._hasher._started:
             for buf in self.buffers[1:]:
                 src = np.frombuffer(buf, dtype=np.uint8)
                 np.copyto(dst[pos:pos + src.nbytes], src)

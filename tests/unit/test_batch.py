@@ -327,22 +327,6 @@ def test_arrival_hashing_falls_back_to_a_full_verify_when_the_layout_needs_it() 
     assert ArrivalHasher(never_fed).decode().checksum == decode(good).checksum  # nothing arrived: full verify
 
 
-@pytest.mark.parametrize("step", [1 << 20, 4097, 1 << 30])
-def test_hashing_an_encoded_batch_through_its_sent_bytes_gives_the_same_checksum(step: int) -> None:
-    tensors = _arrival_fields()
-    reference = encode(tensors, {"k": 1}).tobytes()
-    enc = encode(tensors, {"k": 1}, defer_checksum=True)
-    for n in range(step, enc.nbytes + step, step):
-        enc.hash_through(n)
-    enc.start_checksum()  # no-op once hashing in order began
-    assert enc.tobytes() == reference
-    partly = encode(tensors, {"k": 1}, defer_checksum=True)
-    partly.hash_through(3 << 20)
-    out = bytearray(partly.nbytes)
-    partly.write_into(out)  # copies, and finishes the hash of the rest
-    assert bytes(out) == reference
-
-
 def test_a_batch_hashed_as_it_arrives_frees_its_buffer_without_waiting_for_a_gc() -> None:
     wire = encode(_arrival_fields(), {"k": 1}).tobytes()
     gc.collect()
