@@ -12,6 +12,7 @@ that is not a socket to a real server (fakeredis) gets the same layout through r
 
 from __future__ import annotations
 
+import _thread
 import logging
 import threading
 from collections.abc import Callable
@@ -56,6 +57,47 @@ def split_chunks(buffers: list[Buffer], chunk_bytes: int) -> list[list[memoryvie
             view = view[take:]
             room -= take
     return chunks
+
+
+class _Follower:
+    """Feeds an ``ArrivalHasher`` from a helper thread: ``arrived(n)`` only records how far the bytes are in
+    place, so the reading thread goes straight back to the socket while the helper hashes (xxhash
+    releases the GIL) on the other core; ``close`` waits until everything recorded is hashed."""
+
+    def __init__(self, hasher: ArrivalHasher) -> None:
+        self._hasher = hasher
+        self._n = 0
+        self._closed = False
+        self._cv = threading.Condition()
+        self._done = threading.Event()
+        _thread.start_new_thread(self._run, ())
+
+    def arrived(self, n: int) -> None:
+        with self._cv:
+            self._n = n
+            self._cv.notify()
+
+    def _run(self) -> None:
+        seen = 0
+        try:
+            while True:
+                with self._cv:
+                    while self._n == seen and not self._closed:
+                        self._cv.wait()
+                    n = self._n
+                if n > seen:
+                    self._hasher.arrived(n)
+                    seen = n
+                else:
+                    return
+        finally:
+            self._done.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._done.wait()
 
 
 class RedisStore(PayloadStore):
@@ -126,8 +168,8 @@ class RedisStore(PayloadStore):
         return self._get(reference, None)
 
     def read_batch(self, reference: Reference, *, verify: bool = True) -> Batch:
-        """The batch, its checksum taken chunk by chunk as each arrives (from cache, while the next chunks
-        are on their way), so that verifying it costs no pass of its own over the bytes."""
+        """The batch, its checksum taken chunk by chunk as each arrives, by a helper thread while this one
+        receives the next chunks, so that verifying costs no pass of its own after the last byte."""
         if not verify or self._conn is None:
             return decode(self._get(reference, None), verify=verify)
         holder: list[ArrivalHasher] = []
@@ -141,9 +183,20 @@ class RedisStore(PayloadStore):
         out = np.empty(nbytes, dtype=np.uint8)  # numpy asks for huge pages: cheap page faults
         view = out.data
         arrived: Callable[[int], None] | None = None
+        follower: _Follower | None = None
         if hasher is not None:
             hasher.append(ArrivalHasher(view))
-            arrived = hasher[0].arrived
+            follower = _Follower(hasher[0])
+            arrived = follower.arrived
+        try:
+            self._fill(ref, nbytes, chunk_bytes, names, view, arrived)
+        finally:
+            if follower is not None:
+                follower.close()
+        return view
+
+    def _fill(self, ref: str, nbytes: int, chunk_bytes: int, names: list[str], view: memoryview,
+              arrived: Callable[[int], None] | None) -> None:
         if self._conn is None:
             values = self._call(lambda c: c.mget(names))
             if any(v is None for v in values):
@@ -156,7 +209,6 @@ class RedisStore(PayloadStore):
                 raise DecodeError(f"payload {ref} holds {pos} bytes, its reference says {nbytes}")
         elif not self._raw(lambda c: self._windowed_get(c, names, view, chunk_bytes, arrived)):
             raise self._missing(ref)
-        return view
 
     def delete(self, reference: Reference) -> None:
         ref = self._ref(reference)
