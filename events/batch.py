@@ -585,20 +585,25 @@ class _InOrder:
 
 class ArrivalHasher:
     """The checksum of a batch taken while its bytes arrive, in order, into ``buffer`` (a private buffer
-    a store receives into): each arrived span is hashed at once, from cache, so that verifying after
-    the last byte costs nothing but folding the digests. Call ``arrived(n)`` whenever the first ``n``
-    bytes are in place, then ``decode()``; it verifies with the digests taken, and falls back to a full
-    verify (``decode``) whenever the layout does not allow hashing in arrival order (a header not yet
-    complete when the data arrives, pieces out of order, a malformed header: decode reports those).
-    The buffer must not change after its bytes arrived (nothing but the receiving store writes it)."""
+    a store receives into): each arrived span is hashed soon after, while likely still in cache, so
+    that verifying after the last byte costs nothing but folding the digests. Call ``arrived(n)``
+    whenever the first ``n`` bytes are in place (``n`` never decreasing: a store that starts receiving
+    again makes a new hasher), then ``decode()``; it verifies with the digests taken, and falls back to a
+    full verify (``decode``) whenever hashing in arrival order was not possible (pieces out of order, a
+    malformed header: decode reports those, ``n`` going back, bytes missing). The buffer must not change
+    after its bytes arrived (nothing but the receiving store writes it)."""
 
     def __init__(self, buffer: Any) -> None:
         self.mv = _as_bytes_view(buffer)
         self._layout: _Layout | None = None
         self._stream: _InOrder | None = None
         self._given_up = False
+        self._arrived = 0
 
     def arrived(self, n: int) -> None:
+        if n < self._arrived:
+            self._given_up, self._stream = True, None  # bytes received again: what was hashed may be stale
+        self._arrived = max(self._arrived, n)
         if self._given_up:
             return
         if self._layout is None:

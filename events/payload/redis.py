@@ -182,33 +182,36 @@ class RedisStore(PayloadStore):
         ref, nbytes, chunk_bytes, names = self._layout(reference)
         out = np.empty(nbytes, dtype=np.uint8)  # numpy asks for huge pages: cheap page faults
         view = out.data
-        arrived: Callable[[int], None] | None = None
-        follower: _Follower | None = None
-        if hasher is not None:
-            hasher.append(ArrivalHasher(view))
-            follower = _Follower(hasher[0])
-            arrived = follower.arrived
-        try:
-            self._fill(ref, nbytes, chunk_bytes, names, view, arrived)
-        finally:
-            if follower is not None:
-                follower.close()
+
+        def fill(c: RespConnection) -> bool:
+            # a fresh hasher per try: a retry after a dropped connection receives every chunk again
+            follower = None
+            if hasher is not None:
+                hasher[:] = [ArrivalHasher(view)]
+                follower = _Follower(hasher[0])
+            try:
+                return self._windowed_get(c, names, view, chunk_bytes, follower.arrived if follower else None)
+            finally:
+                if follower is not None:
+                    follower.close()
+
+        if self._conn is None:
+            self._fill_from_client(ref, nbytes, names, view)
+        elif not self._raw(fill):
+            raise self._missing(ref)
         return view
 
-    def _fill(self, ref: str, nbytes: int, chunk_bytes: int, names: list[str], view: memoryview,
-              arrived: Callable[[int], None] | None) -> None:
-        if self._conn is None:
-            values = self._call(lambda c: c.mget(names))
-            if any(v is None for v in values):
-                raise self._missing(ref)
-            pos = 0
-            for v in values:
-                view[pos:pos + len(v)] = v
-                pos += len(v)
-            if pos != nbytes:
-                raise DecodeError(f"payload {ref} holds {pos} bytes, its reference says {nbytes}")
-        elif not self._raw(lambda c: self._windowed_get(c, names, view, chunk_bytes, arrived)):
+    def _fill_from_client(self, ref: str, nbytes: int, names: list[str], view: memoryview) -> None:
+        """The chunks through redis-py (a client that is not a socket to a real server)."""
+        values = self._call(lambda c: c.mget(names))
+        if any(v is None for v in values):
             raise self._missing(ref)
+        pos = 0
+        for v in values:
+            view[pos:pos + len(v)] = v
+            pos += len(v)
+        if pos != nbytes:
+            raise DecodeError(f"payload {ref} holds {pos} bytes, its reference says {nbytes}")
 
     def delete(self, reference: Reference) -> None:
         ref = self._ref(reference)

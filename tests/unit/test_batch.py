@@ -344,3 +344,15 @@ def test_a_batch_hashed_as_it_arrives_frees_its_buffer_without_waiting_for_a_gc(
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_arrival_hashing_gives_up_when_bytes_arrive_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    wire = encode(_arrival_fields(), {"k": 1}).tobytes()
+    buf = bytearray(wire)
+    hasher = ArrivalHasher(buf)
+    hasher.arrived(3 << 20)
+    buf[100_000] ^= 1  # received again, differently: the digests taken so far are of other bytes
+    hasher.arrived(1 << 20)
+    hasher.arrived(len(wire))
+    with pytest.raises(ChecksumMismatch):  # a full verify of what the buffer holds now
+        hasher.decode()
