@@ -9,8 +9,6 @@ batch decoded and has touched every 4 KiB page; medians over ``--reps`` after wa
   store put, Lua XADD) -> the consumer's XREADGROUP -> fetch (get + decode + checksum
   verify) -> touch; the consumer then acks and releases, so pooled shm segments recycle.
   The redis store runs over TCP and, as an extra row, over a unix socket.
-* ``redis store, verified after receipt``: the redis store read as it was before the reader hashed
-  each chunk as it arrived (``get``, then ``decode``'s own verify pass), beside the current read.
 * ``shm store, unverified``: the default shm store whose consumer skips the checksum
   check, beside the verified one: what that guarantee costs on this path.
 * ``ray``: ``ray.put`` of the four numpy arrays in the producer, ``ray.get`` in an actor
@@ -149,9 +147,7 @@ def bus_client(url: str) -> Any:
     return redis.Redis.from_url(url) if url.startswith("unix://") else connect(url)
 
 
-def store_consumer(url: str, namespace: str, spec: str, out: Any, stop: Any, verify: bool,
-                   verify_after: bool = False) -> None:
-    from rollout_bus.events.batch import decode
+def store_consumer(url: str, namespace: str, spec: str, out: Any, stop: Any, verify: bool) -> None:
     from rollout_bus.events.batches import BatchChannel
     from rollout_bus.events.consume import Consumer, ConsumerConfig
     from rollout_bus.events.names import Keys
@@ -169,10 +165,7 @@ def store_consumer(url: str, namespace: str, spec: str, out: Any, stop: Any, ver
         for msg in consumer.read():
             event = msg.event
             assert isinstance(event, BatchReady)
-            if verify_after:  # the earlier read path: every byte received, then decode's own verify pass
-                batch = decode(channel.store_for(event.payload).get(event.payload), verify=verify)
-            else:
-                batch = channel.fetch(event, verify=verify)
+            batch = channel.fetch(event, verify=verify)
             touch_tensors(batch.tensors.values())
             out.put(time.perf_counter())
             del batch
@@ -185,9 +178,8 @@ def store_consumer(url: str, namespace: str, spec: str, out: Any, stop: Any, ver
 class StorePath:
     """``BatchChannel.publish`` here, ``Consumer.read`` + ``BatchChannel.fetch`` + touch in another process."""
 
-    def __init__(self, url: str, spec: str, tensors: dict[str, Any], verify: bool, verify_after: bool = False) -> None:
+    def __init__(self, url: str, spec: str, tensors: dict[str, Any], verify: bool) -> None:
         self.url, self.spec, self.tensors, self.verify = url, spec, tensors, verify
-        self.verify_after = verify_after
 
     def start(self) -> None:
         import uuid
@@ -207,7 +199,7 @@ class StorePath:
         self.q: Any = ctx.Queue()
         self.stop_flag = ctx.Event()
         self.proc = ctx.Process(target=store_consumer, args=(self.url, self.namespace, self.spec, self.q,
-                                                             self.stop_flag, self.verify, self.verify_after))
+                                                             self.stop_flag, self.verify))
         self.proc.start()
         self.q.get(timeout=120)
 
@@ -271,8 +263,7 @@ class RayPath:
 
 # --- main ----------------------------------------------------------------------------------
 
-LABELS = {"tcp": "tcp floor (loopback)", "redis": "redis store (tcp)",
-          "redis-after": "redis store, verified after receipt", "redis-unix": "redis store (unix socket)",
+LABELS = {"tcp": "tcp floor (loopback)", "redis": "redis store (tcp)", "redis-unix": "redis store (unix socket)",
           "shm": "shm store (/dev/shm)", "shm-shared": "shm store, reads=shared",
           "shm-unverified": "shm store, unverified", "file": "file store (tmp dir)",
           "ray": "ray object store"}
@@ -306,7 +297,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     makers: dict[str, Callable[[], Any]] = {
         "tcp": lambda: TcpPath(tensors),
         "redis": lambda: StorePath(server.url, args.redis_spec, tensors, verify),
-        "redis-after": lambda: StorePath(server.url, args.redis_spec, tensors, verify, verify_after=True),
         "redis-unix": lambda: StorePath(f"unix://{sock_dir}/redis.sock?db=0", args.redis_spec, tensors, verify),
         "shm": lambda: StorePath(server.url, "shm", tensors, verify),
         "shm-shared": lambda: StorePath(server.url, "shm?reads=shared", tensors, verify),
@@ -365,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print()
     rows = []
     if "tcp" in totals:
-        for name in ("redis", "redis-after", "redis-unix", "file"):
+        for name in ("redis", "redis-unix", "file"):
             if name in totals:
                 rows.append(Row("handoff 64 MiB", f"{LABELS[name]} / tcp floor, time",
                                 paired_ratios(totals[name], totals["tcp"]),

@@ -1,4 +1,4 @@
-"""Where the redis store's time goes on a 64 MiB batch, and its earlier read path beside it.
+"""Where the redis store's time goes on a 64 MiB batch, with a tried writer and the earlier read beside it.
 
 One process plays both sides against a private redis-server (the bench_handoff shape without the
 process hop), interleaved round by round:
@@ -7,8 +7,8 @@ process hop), interleaved round by round:
   every chunk but the header goes out in one scatter-gather send, the header chunk last), and
   each chunk's tensor bytes hashed in this thread right after the chunk is sent (tried, and
   measured slower between processes; kept here as the comparison);
-* fetch, as now: ``RedisStore.read_batch`` (each chunk hashed as it arrives, bulk replies
-  received in place);
+* fetch, as now: ``get`` (each reply's length line read 64 bytes at a time, so the chunk's bytes
+  go from the socket straight into the batch's buffer), then ``decode`` (with its verify pass);
 * fetch, as before: ``get`` with the reply's length line read 64 KiB at a time (taking part of
   every chunk through the connection's buffer), then ``decode`` with a full verify pass.
 
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         phases: dict[str, Callable[[int], object]] = {
             "put (helpers hash while the chunks go out)": put_now,
             "put, tried: hash each chunk after sending it": put_old,
-            "fetch, now (hash chunks as they arrive)": lambda i: store.read_batch(refs["now"]),
-            "fetch, before (get, then decode's verify)": lambda i: fetch_before(store, refs["old"]),
+            "fetch (replies received in place), decode": lambda i: decode(store.get(refs["now"])),
+            "fetch, before (64 KiB line reads), decode": lambda i: fetch_before(store, refs["old"]),
         }
         wall: dict[str, list[float]] = {k: [] for k in phases}
         cpu: dict[str, list[float]] = {k: [] for k in phases}
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             prof.enable()
             for i in range(5):
                 put_now(i)
-                store.read_batch(refs["now"])
+                decode(store.get(refs["now"]))
                 store.delete(refs["now"])
             prof.disable()
         store.close()

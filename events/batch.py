@@ -458,35 +458,10 @@ def _fail(reason: str) -> DecodeError:
     return DecodeError(f"malformed batch: {reason}")
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """What the prefix and header of a batch say, checked against the buffer's length."""
-
-    meta: dict[str, Any]
-    fields: list[_Field]
-    checksum: int
-    hash_chunk: int
-    data_start: int
-
-    def pieces(self) -> list[tuple[int, int]]:
-        """The hashed pieces as [start, end) positions in the buffer, in checksum order."""
-        return [(self.data_start + f.offset + i, self.data_start + f.offset + min(i + self.hash_chunk, f.nbytes))
-                for f in self.fields for i in range(0, f.nbytes, self.hash_chunk)]
-
-
-def _as_bytes_view(buffer: Any) -> memoryview:
+def _decode(buffer: Any, verify: bool) -> Batch:
     mv = memoryview(buffer)
-    return mv.cast("B") if mv.ndim != 1 or mv.itemsize != 1 else mv
-
-
-def _header_end(mv: memoryview) -> int:
-    """Bytes up to the end of the msgpack header (the prefix says), for a buffer of the prefix at least."""
-    if mv.nbytes < _PREFIX.size:
-        raise _fail(f"{mv.nbytes} bytes is shorter than the {_PREFIX.size}-byte prefix")
-    return _PREFIX.size + int(_PREFIX.unpack_from(mv, 0)[3])
-
-
-def _layout(mv: memoryview) -> _Layout:
+    if mv.ndim != 1 or mv.itemsize != 1:
+        mv = mv.cast("B")
     total = mv.nbytes
     if total < _PREFIX.size:
         raise _fail(f"{total} bytes is shorter than the {_PREFIX.size}-byte prefix")
@@ -513,25 +488,13 @@ def _layout(mv: memoryview) -> _Layout:
     data_start = _align(_PREFIX.size + header_len)
     if data_start + data_nbytes != total:
         raise _fail(f"expected {data_start + data_nbytes} bytes, got {total} (truncated or padded)")
-    fields = [_field(r, data_nbytes) for r in records]
-    return _Layout(meta, fields, checksum, hash_chunk, data_start)
+    data = mv[data_start:]
 
-
-def _decode(buffer: Any, verify: bool, taken: tuple[list[tuple[int, int]], list[int]] | None = None) -> Batch:
-    """``taken``: pieces and their digests already taken from this very buffer (``ArrivalHasher``), used
-    when they are the pieces its header names."""
-    mv = _as_bytes_view(buffer)
-    total = mv.nbytes
-    layout = _layout(mv)
-    meta, fields, checksum, data_start = layout.meta, layout.fields, layout.checksum, layout.data_start
     readonly = mv.readonly
+    fields = [_field(r, data_nbytes) for r in records]
     if verify:
-        if taken is not None and taken[0] == layout.pieces():
-            actual = _combine(taken[1])
-        else:
-            data = mv[data_start:]
-            actual = checksum_views([data[f.offset:f.offset + f.nbytes] for f in fields], layout.hash_chunk,
-                                    HELPER_EXIT_WAIT_S)
+        actual = checksum_views([data[f.offset:f.offset + f.nbytes] for f in fields], hash_chunk,
+                                HELPER_EXIT_WAIT_S)
         if actual != checksum:
             raise ChecksumMismatch(f"batch checksum mismatch: header says {checksum:#018x}, bytes hash to "
                                    f"{actual:#018x} (corrupted or truncated payload)")
@@ -550,90 +513,6 @@ def _decode(buffer: Any, verify: bool, taken: tuple[list[tuple[int, int]], list[
             slot[f.ragged] = t
     ragged = {name: _ragged(name, parts) for name, parts in halves.items()}
     return Batch(tensors, ragged, meta, total, checksum)
-
-
-class _InOrder:
-    """Digests of pieces ([start, end) positions in a byte stream, ascending, not overlapping) taken as the
-    stream's bytes become available in order: ``feed(n)`` hashes what lies below ``n`` (streaming xxh3-64,
-    whose digest equals the one-shot digest of the piece). ``view(lo, hi)`` returns those bytes."""
-
-    def __init__(self, pieces: list[tuple[int, int]], view: Any) -> None:
-        self.pieces = pieces
-        self.digests: list[int] = []
-        self._view = view
-        self._hasher = xxhash.xxh3_64()
-        self._hashed = 0
-
-    @property
-    def done(self) -> bool:
-        return len(self.digests) == len(self.pieces)
-
-    def feed(self, n: int) -> None:
-        pieces, i = self.pieces, len(self.digests)
-        while i < len(pieces):
-            start, end = pieces[i]
-            lo, hi = max(start, self._hashed), min(end, n)
-            if hi > lo:
-                self._hasher.update(self._view(lo, hi))
-                self._hashed = hi
-            if end > n:
-                return
-            self.digests.append(self._hasher.intdigest())
-            self._hasher.reset()
-            i += 1
-
-
-class ArrivalHasher:
-    """The checksum of a batch taken while its bytes arrive, in order, into ``buffer`` (a private buffer
-    a store receives into): each arrived span is hashed soon after, while likely still in cache, so
-    that verifying after the last byte costs nothing but folding the digests. Call ``arrived(n)``
-    whenever the first ``n`` bytes are in place (``n`` never decreasing: a store that starts receiving
-    again makes a new hasher), then ``decode()``; it verifies with the digests taken, and falls back to a
-    full verify (``decode``) whenever hashing in arrival order was not possible (pieces out of order, a
-    malformed header: decode reports those, ``n`` going back, bytes missing). The buffer must not change
-    after its bytes arrived (nothing but the receiving store writes it)."""
-
-    def __init__(self, buffer: Any) -> None:
-        self.mv = _as_bytes_view(buffer)
-        self._layout: _Layout | None = None
-        self._stream: _InOrder | None = None
-        self._given_up = False
-        self._arrived = 0
-
-    def arrived(self, n: int) -> None:
-        if n < self._arrived:
-            self._given_up, self._stream = True, None  # bytes received again: what was hashed may be stale
-        self._arrived = max(self._arrived, n)
-        if self._given_up:
-            return
-        if self._layout is None:
-            try:
-                if n < _PREFIX.size or n < _header_end(self.mv):
-                    return
-                layout = _layout(self.mv)
-            except DecodeError:
-                self._given_up = True  # decode says what is wrong
-                return
-            pieces = layout.pieces()
-            if any(b[0] < a[1] for a, b in itertools.pairwise(pieces)):
-                self._given_up = True  # not in arrival order: a full verify at decode
-                return
-            self._layout = layout
-            mv = self.mv  # not ``self``: a closure over it would be a cycle keeping the buffer alive until a GC
-            self._stream = _InOrder(pieces, lambda lo, hi: mv[lo:hi])
-        assert self._stream is not None
-        self._stream.feed(min(n, self.mv.nbytes))
-
-    def decode(self) -> Batch:
-        """The batch, verified; ``ChecksumMismatch`` or ``DecodeError`` as ``decode`` raises them."""
-        if self._stream is None or not self._stream.done:
-            return decode(self.mv)
-        try:
-            return _decode(self.mv, True, (self._stream.pieces, self._stream.digests))
-        except DecodeError:
-            raise
-        except Exception as exc:
-            raise DecodeError(f"malformed batch: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import msgpack
 import redis
 from redis.exceptions import NoScriptError
 
-from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, encode
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
 from rollout_bus.events.connection import Durability, Guard, Redis, as_str, confirm_replicated
 from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing, PayloadTooLarge
 from rollout_bus.events.leased import LeaseFence, guarded, leased
@@ -267,7 +267,7 @@ class BatchChannel:
             raise PayloadTooLarge(f"batch {event.batch_id} of policy {event.policy} declares {event.bytes} bytes, "
                                   f"more than the maximum batch size of {self.max_bytes} bytes")
         try:
-            return self.store_for(event.payload).read_batch(event.payload, verify=verify)
+            return decode(self.store_for(event.payload).get(event.payload), verify=verify)
         except PayloadMissing as exc:
             raise PayloadMissing(f"batch {event.batch_id} of policy {event.policy} "
                                  f"(rollout {event.rollout_id}): {exc}") from None

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Buffer, EncodedBatch, decode
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Buffer, EncodedBatch
 from rollout_bus.events.errors import DecodeError, PayloadTooLarge
 from rollout_bus.events.names import check_name
 
@@ -84,11 +84,6 @@ class PayloadStore(ABC):
     @abstractmethod
     def get(self, reference: Reference) -> PayloadBuffer:
         """The payload's bytes; ``PayloadMissing`` when it is gone."""
-
-    def read_batch(self, reference: Reference, *, verify: bool = True) -> Batch:
-        """The payload decoded (``events.batch.decode`` of ``get``); a store that receives the bytes
-        may verify them as they arrive instead of in a pass of their own."""
-        return decode(self.get(reference), verify=verify)
 
     @abstractmethod
     def delete(self, reference: Reference) -> None:

@@ -12,16 +12,14 @@ that is not a socket to a real server (fakeredis) gets the same layout through r
 
 from __future__ import annotations
 
-import _thread
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import redis
 
-from rollout_bus.events.batch import ArrivalHasher, Batch, Buffer, EncodedBatch, decode
+from rollout_bus.events.batch import Buffer, EncodedBatch
 from rollout_bus.events.connection import Guard, is_sentinel_client
 from rollout_bus.events.errors import BusUnavailable, DecodeError, PayloadMissing, RedisCommandError
 from rollout_bus.events.names import Keys
@@ -57,47 +55,6 @@ def split_chunks(buffers: list[Buffer], chunk_bytes: int) -> list[list[memoryvie
             view = view[take:]
             room -= take
     return chunks
-
-
-class _Follower:
-    """Feeds an ``ArrivalHasher`` from a helper thread: ``arrived(n)`` only records how far the bytes are in
-    place, so the reading thread goes straight back to the socket while the helper hashes (xxhash
-    releases the GIL) on the other core; ``close`` waits until everything recorded is hashed."""
-
-    def __init__(self, hasher: ArrivalHasher) -> None:
-        self._hasher = hasher
-        self._n = 0
-        self._closed = False
-        self._cv = threading.Condition()
-        self._done = threading.Event()
-        _thread.start_new_thread(self._run, ())
-
-    def arrived(self, n: int) -> None:
-        with self._cv:
-            self._n = n
-            self._cv.notify()
-
-    def _run(self) -> None:
-        seen = 0
-        try:
-            while True:
-                with self._cv:
-                    while self._n == seen and not self._closed:
-                        self._cv.wait()
-                    n = self._n
-                if n > seen:
-                    self._hasher.arrived(n)
-                    seen = n
-                else:
-                    return
-        finally:
-            self._done.set()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._done.wait()
 
 
 class RedisStore(PayloadStore):
@@ -140,10 +97,7 @@ class RedisStore(PayloadStore):
                         b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s)]
 
             def send(conn: RespConnection) -> None:
-                # hashing runs on helper threads while the later chunks go out; chunk 0 (the header) last.
-                # (Hashing each chunk in this thread right after sending it was measured slower between
-                # processes: the send then waits for the hash, where helpers overlap it on the other core.)
-                batch.start_checksum()
+                batch.start_checksum()  # hashing runs while the later chunks go out; chunk 0 (the header) last
                 conn.send([f for i in range(1, len(chunks)) for f in frames(i)])
                 batch.finish()
                 conn.send(frames(0))
@@ -165,53 +119,22 @@ class RedisStore(PayloadStore):
         return ref, nbytes, chunk_bytes, [self.keys.payload_chunk(ref, i) for i in range(chunks)]
 
     def get(self, reference: Reference) -> PayloadBuffer:
-        return self._get(reference, None)
-
-    def read_batch(self, reference: Reference, *, verify: bool = True) -> Batch:
-        """The batch, its checksum taken chunk by chunk as each arrives, by a helper thread while this one
-        receives the next chunks, so that verifying costs no pass of its own after the last byte."""
-        if not verify or self._conn is None:
-            return decode(self._get(reference, None), verify=verify)
-        holder: list[ArrivalHasher] = []
-        view = self._get(reference, holder)
-        return holder[0].decode() if holder else decode(view)
-
-    def _get(self, reference: Reference, hasher: list[ArrivalHasher] | None) -> memoryview:
-        """The payload's bytes in one fresh buffer; with ``hasher`` (raw connection only), an
-        ``ArrivalHasher`` over that buffer, fed as chunks arrive, is put in it."""
         ref, nbytes, chunk_bytes, names = self._layout(reference)
         out = np.empty(nbytes, dtype=np.uint8)  # numpy asks for huge pages: cheap page faults
         view = out.data
-
-        def fill(c: RespConnection) -> bool:
-            # a fresh hasher per try: a retry after a dropped connection receives every chunk again
-            follower = None
-            if hasher is not None:
-                hasher[:] = [ArrivalHasher(view)]
-                follower = _Follower(hasher[0])
-            try:
-                return self._windowed_get(c, names, view, chunk_bytes, follower.arrived if follower else None)
-            finally:
-                if follower is not None:
-                    follower.close()
-
         if self._conn is None:
-            self._fill_from_client(ref, nbytes, names, view)
-        elif not self._raw(fill):
+            values = self._call(lambda c: c.mget(names))
+            if any(v is None for v in values):
+                raise self._missing(ref)
+            pos = 0
+            for v in values:
+                view[pos:pos + len(v)] = v
+                pos += len(v)
+            if pos != nbytes:
+                raise DecodeError(f"payload {ref} holds {pos} bytes, its reference says {nbytes}")
+        elif not self._raw(lambda c: self._windowed_get(c, names, view, chunk_bytes)):
             raise self._missing(ref)
         return view
-
-    def _fill_from_client(self, ref: str, nbytes: int, names: list[str], view: memoryview) -> None:
-        """The chunks through redis-py (a client that is not a socket to a real server)."""
-        values = self._call(lambda c: c.mget(names))
-        if any(v is None for v in values):
-            raise self._missing(ref)
-        pos = 0
-        for v in values:
-            view[pos:pos + len(v)] = v
-            pos += len(v)
-        if pos != nbytes:
-            raise DecodeError(f"payload {ref} holds {pos} bytes, its reference says {nbytes}")
 
     def delete(self, reference: Reference) -> None:
         ref = self._ref(reference)
@@ -252,10 +175,7 @@ class RedisStore(PayloadStore):
         if error is not None:
             raise error
 
-    def _windowed_get(self, conn: RespConnection, names: list[str], out: memoryview, chunk_bytes: int,
-                      arrived: Callable[[int], None] | None = None) -> bool:
-        """GET every chunk into its place in ``out``, ``window`` requests in flight; ``arrived(n)`` after each
-        chunk (the first ``n`` bytes are in place). False when a chunk is missing."""
+    def _windowed_get(self, conn: RespConnection, names: list[str], out: memoryview, chunk_bytes: int) -> bool:
         def request(i: int) -> list[bytes | memoryview]:
             args: list[Arg] = ["GET", names[i]]
             return pack_command(args)
@@ -267,8 +187,6 @@ class RedisStore(PayloadStore):
             if i + first < len(names):
                 conn.send(request(i + first))
             found = conn.read_bulk_into(out[i * chunk_bytes:(i + 1) * chunk_bytes]) and found
-            if arrived is not None and found:
-                arrived(min((i + 1) * chunk_bytes, out.nbytes))
         return found
 
     def _raw(self, fn: Any) -> Any:

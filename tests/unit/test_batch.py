@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import struct
-import weakref
 
 import msgpack
 import numpy as np
@@ -15,7 +13,6 @@ import rollout_bus.events.batch as batch_mod
 from rollout_bus.events.batch import (
     ALIGN,
     MAGIC,
-    ArrivalHasher,
     Ragged,
     checksum_views,
     decode,
@@ -263,96 +260,3 @@ def test_write_into_raises_what_a_helper_thread_hit(monkeypatch: pytest.MonkeyPa
     enc = encode({"a": torch.zeros(3 << 20, dtype=torch.uint8)}, defer_checksum=True)
     with pytest.raises(ValueError):
         enc.write_into(bytearray(enc.nbytes - 1))  # too small: every thread's last piece fails
-
-
-def _arrival_fields() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(11)
-    return {"a": torch.randint(0, 1 << 30, ((5 << 20) // 4 + 3,), dtype=torch.int32, generator=g),
-            "empty": torch.zeros(0, dtype=torch.int64),
-            "b": torch.randn(700_001, generator=g).to(torch.bfloat16)}
-
-
-def _no_full_verify(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: object, **kwargs: object) -> int:
-        raise AssertionError("a full verify pass ran")
-    monkeypatch.setattr(batch_mod, "checksum_views", refuse)
-
-
-@pytest.mark.parametrize("step", [1 << 20, 999_983, 37, 1 << 30])
-def test_a_batch_hashed_as_it_arrives_verifies_without_a_pass_of_its_own(monkeypatch: pytest.MonkeyPatch,
-                                                                          step: int) -> None:
-    tensors = _arrival_fields()
-    wire = encode(tensors, {"k": 1}).tobytes()
-    expected = decode(wire).checksum
-    buf = bytearray(len(wire))
-    hasher = ArrivalHasher(buf)
-    step = step if step != 37 else 37 * 4099  # odd steps, header arriving in pieces first
-    for pos in [0, 5, 100] + list(range(step, len(wire), step)) + [len(wire)]:
-        buf[:pos] = wire[:pos]
-        hasher.arrived(pos)
-    _no_full_verify(monkeypatch)
-    batch = hasher.decode()
-    assert torch.equal(batch.tensors["a"], tensors["a"]) and torch.equal(batch.tensors["b"], tensors["b"])
-    assert batch.checksum == expected
-
-
-def test_a_byte_corrupted_before_it_arrived_is_a_checksum_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    wire = bytearray(encode(_arrival_fields(), {"k": 1}).tobytes())
-    wire[-1000] ^= 0x40
-    hasher = ArrivalHasher(wire)
-    for pos in range(0, len(wire) + 1 << 20, 1 << 20):
-        hasher.arrived(min(pos, len(wire)))
-    _no_full_verify(monkeypatch)
-    with pytest.raises(ChecksumMismatch):
-        hasher.decode()
-
-
-def test_arrival_hashing_falls_back_to_a_full_verify_when_the_layout_needs_it() -> None:
-    tensors = {"x": torch.arange(10_000, dtype=torch.int64), "y": torch.arange(20_000, dtype=torch.int32)}
-    good = encode(tensors, {}).tobytes()
-    header, n = _header(good)
-    data = good[-header["data_nbytes"]:]
-    header["fields"].reverse()  # fields out of byte order: their pieces do not arrive in checksum order
-    reordered = bytearray(_rebuild(header, data))
-    hasher = ArrivalHasher(reordered)
-    hasher.arrived(len(reordered))
-    with pytest.raises(ChecksumMismatch):  # the checksum was over x then y; a full verify says so
-        hasher.decode()
-    garbage = bytearray(b"RBB\x00" + bytes(60))
-    hasher = ArrivalHasher(garbage)
-    hasher.arrived(len(garbage))
-    with pytest.raises(DecodeError):
-        hasher.decode()
-    never_fed = bytearray(good)
-    assert ArrivalHasher(never_fed).decode().checksum == decode(good).checksum  # nothing arrived: full verify
-
-
-def test_a_batch_hashed_as_it_arrives_frees_its_buffer_without_waiting_for_a_gc() -> None:
-    wire = encode(_arrival_fields(), {"k": 1}).tobytes()
-    gc.collect()
-    gc.disable()  # a reference cycle would keep the buffer (64 MiB in the stores) alive until a collection
-    try:
-        arr = np.empty(len(wire), dtype=np.uint8)
-        arr[:] = np.frombuffer(wire, dtype=np.uint8)
-        alive = weakref.ref(arr)
-        hasher = ArrivalHasher(arr.data)
-        for pos in range(0, len(wire) + (1 << 20), 1 << 20):
-            hasher.arrived(min(pos, len(wire)))
-        batch = hasher.decode()
-        assert batch.meta == {"k": 1}
-        del arr, hasher, batch
-        assert alive() is None
-    finally:
-        gc.enable()
-
-
-def test_arrival_hashing_gives_up_when_bytes_arrive_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    wire = encode(_arrival_fields(), {"k": 1}).tobytes()
-    buf = bytearray(wire)
-    hasher = ArrivalHasher(buf)
-    hasher.arrived(3 << 20)
-    buf[100_000] ^= 1  # received again, differently: the digests taken so far are of other bytes
-    hasher.arrived(1 << 20)
-    hasher.arrived(len(wire))
-    with pytest.raises(ChecksumMismatch):  # a full verify of what the buffer holds now
-        hasher.decode()
