@@ -17,6 +17,7 @@ Usage: python bench/bench_batch_codec.py [--reps 30] [--mib 64]
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import os
 import statistics
@@ -33,6 +34,9 @@ import torch  # noqa: E402
 import rollout_bus.events.batch as batch_mod  # noqa: E402
 from rollout_bus.events.batch import decode, encode  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from verdict import OutsideLoad, Row, Target, paired_ratios, reasons, table  # noqa: E402
+
 
 def make_tensors(total_mib: int) -> dict[str, torch.Tensor]:
     n = (total_mib << 20) // 4
@@ -45,9 +49,9 @@ def make_tensors(total_mib: int) -> dict[str, torch.Tensor]:
     }
 
 
-def interleaved_ms(variants: dict[str, Callable[[], object]], reps: int,
-                   warmup: int = 5) -> dict[str, tuple[float, float]]:
-    """Median and min ms of each variant, run round-robin so that load from other processes hits all alike."""
+def interleaved_times(variants: dict[str, Callable[[], object]], reps: int, warmup: int = 5) -> dict[str, list[float]]:
+    """Seconds of each run of each variant, run round-robin so that load from other processes hits all alike
+    (round ``i`` of every variant ran back to back: per-round ratios are paired)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(warmup + reps):
         for name, fn in variants.items():
@@ -55,7 +59,14 @@ def interleaved_ms(variants: dict[str, Callable[[], object]], reps: int,
             fn()
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(v) * 1e3, min(v) * 1e3) for name, v in times.items()}
+    return times
+
+
+def interleaved_ms(variants: dict[str, Callable[[], object]], reps: int,
+                   warmup: int = 5) -> dict[str, tuple[float, float]]:
+    """Median and min ms of each variant (``interleaved_times``)."""
+    return {name: (statistics.median(v) * 1e3, min(v) * 1e3) for name, v in interleaved_times(variants, reps,
+                                                                                              warmup).items()}
 
 
 def with_threads(n: int, fn: Callable[[], object]) -> Callable[[], object]:
@@ -65,6 +76,16 @@ def with_threads(n: int, fn: Callable[[], object]) -> Callable[[], object]:
             return fn()
         finally:
             batch_mod.MAX_HASH_THREADS = saved
+    return run
+
+
+def with_copy_step(step: int, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        saved, batch_mod.COPY_STEP = batch_mod.COPY_STEP, step
+        try:
+            return fn()
+        finally:
+            batch_mod.COPY_STEP = saved
     return run
 
 
@@ -112,6 +133,22 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             np.copyto(dst[pos:pos + src.nbytes], src)
             pos += src.nbytes
 
+    groups = _split(srcs, dst, batch_mod.MAX_HASH_THREADS)
+
+    def memcpy_threads() -> None:  # the same copy cut into as many parts as the codec may use threads
+        done = [threading.Event() for _ in groups[1:]]
+
+        def copy(group: list[tuple[np.ndarray, np.ndarray]], ev: threading.Event | None) -> None:
+            for d, src in group:
+                np.copyto(d, src)
+            if ev is not None:
+                ev.set()
+        for group, ev in zip(groups[1:], done, strict=True):
+            _thread.start_new_thread(copy, (group, ev))
+        copy(groups[0], None)
+        for ev in done:
+            ev.wait()
+
     def codec() -> None:
         encode(tensors, {"policy": "bench", "rollout_id": 1})
         decode(wire.data)
@@ -129,10 +166,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"{nbytes / 2**20:.0f} MiB in {len(tensors)} tensors (int32, int64, float32, bfloat16); median of "
           f"{args.reps}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     threads = batch_mod.MAX_HASH_THREADS
-    load_start = os.getloadavg()[0]
+    outside = OutsideLoad().__enter__()
     used = {n: hashing_threads(tensors, n) for n in sorted({threads, 1})}
     variants: dict[str, Callable[[], object]] = {"memcpy (np.copyto into a preallocated buffer)": memcpy}
     variants["encode + copy into one buffer + decode (headline)"] = codec_copy_overlapped
+    if threads > 1:
+        variants[f"  memcpy cut in {threads}, one part per thread"] = memcpy_threads
+        variants["  the headline with 1 thread allowed"] = with_threads(1, codec_copy_overlapped)
+    variants["  the headline as before: 2 MiB copied, then hashed, 1 thread"] = with_threads(
+        1, with_copy_step(batch_mod.HASH_CHUNK, codec_copy_overlapped))
     variants["  the same, hashed at encode, before the copy"] = codec_copy
     for n in sorted({threads, 1}, reverse=True):
         label = f"{n} hash thread{'s' if n > 1 else ''} allowed"
@@ -140,22 +182,51 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         variants[f"  encode only, {label}"] = with_threads(n, lambda: encode(tensors, {}))
         variants[f"  decode only, {label}"] = with_threads(n, lambda: decode(wire.data))
     variants["decode without verifying the checksum"] = lambda: decode(wire.data, verify=False)
-    rows = list(interleaved_ms(variants, args.reps).items())
+    times = interleaved_times(variants, args.reps)
+    outside.__exit__(None, None, None)
+    load = outside.load
+    rows = [(name, (statistics.median(v) * 1e3, min(v) * 1e3)) for name, v in times.items()]
     base, base_min = rows[0][1]
-    load = max(load_start, os.getloadavg()[0])
-    print(f"load average {os.getloadavg()[0]:.2f} at end; threads that hashed pieces in a probe encode: "
+    print(f"{load.describe()}; threads that hashed pieces in a probe encode: "
           + ", ".join(f"{u} of {n} allowed" for n, u in used.items()))
     print()
     print(f"{'':56} {'median ms':>9} {'GB/s':>6} {'vs memcpy':>9} {'min ms':>7} {'vs memcpy':>9}")
     for label, (ms, best) in rows:
         print(f"{label:56} {ms:9.2f} {nbytes / ms / 1e6:6.2f} {base / ms:9.2f} {best:7.2f} {base_min / best:9.2f}")
-    ratio = base / rows[1][1][0]
-    no_copy = base / dict(rows)[next(k for k in dict(rows) if k.startswith("encode + decode, no copy"))][0]
+    names = list(times)
+    head = paired_ratios(times[names[0]], times[names[1]])  # memcpy time / codec time, round by round
+    no_copy_name = next(k for k in names if k.startswith("encode + decode, no copy"))
+    no_copy = paired_ratios(times[names[0]], times[no_copy_name])
+    out_rows = [Row("codec 64 MiB", "encode + copy + decode / memcpy, speed", head, Target(">=", 0.75), load),
+                Row("codec 64 MiB", "encode + decode without the copy / memcpy, speed", no_copy, None, load)]
+    if threads > 1:
+        out_rows.append(Row("codec 64 MiB", f"the same / memcpy on {threads} threads, speed",
+                            paired_ratios(times[names[2]], times[names[1]]), None, load))
+        out_rows.append(Row("codec 64 MiB", "the same on 1 thread / memcpy, speed",
+                            paired_ratios(times[names[0]], times[names[3]]), None, load))
+    before = next(k for k in names if "as before" in k)
+    out_rows.append(Row("codec 64 MiB", "the same as before (2 MiB steps, 1 thread) / memcpy",
+                        paired_ratios(times[names[0]], times[before]), None, load))
     print()
-    state = f"no verdict (load average {load:.2f} > 1)" if load > 1 else ("met" if ratio >= 0.75 else "MISSED")
-    print(f"target: encode + copy + decode >= 0.75 of memcpy speed (medians): {ratio:.2f} -> {state} "
-          f"(without the copy: {no_copy:.2f})")
-    return {"ratio": ratio, "no_copy": no_copy, "load": load}
+    print(table(out_rows))
+    for line in reasons(out_rows):
+        print(line)
+    return {"rows": out_rows, "load": load}
+
+
+def _split(srcs: list[np.ndarray], dst: np.ndarray, parts: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """The copy of the concatenated ``srcs`` into ``dst`` cut into ``parts`` runs of about equal bytes,
+    as (destination, source) views per part."""
+    share = -(-sum(s.nbytes for s in srcs) // max(1, parts))
+    groups: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(max(1, parts))]
+    pos = 0
+    for src in srcs:
+        i = 0
+        while i < src.nbytes:
+            n = min(share - pos % share, src.nbytes - i)
+            groups[pos // share].append((dst[pos:pos + n], src[i:i + n]))
+            pos, i = pos + n, i + n
+    return [g for g in groups if g]
 
 
 if __name__ == "__main__":

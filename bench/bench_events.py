@@ -49,9 +49,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import msgpack  # noqa: E402
 from hiredis import pack_command  # noqa: E402
+from verdict import OutsideLoad, Row, Target, paired_ratios, reasons, table  # noqa: E402
 
 from rollout_bus.events.connection import connect  # noqa: E402
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message  # noqa: E402
@@ -327,13 +329,6 @@ def load1() -> float:
     return os.getloadavg()[0]
 
 
-def verdict(ok: bool, load: float) -> str:
-    """met / MISSED, or no verdict when other work on the machine may have decided it."""
-    if load > 1.0:
-        return f"no verdict (load average {load:.2f} > 1)"
-    return "met" if ok else "MISSED"
-
-
 def run_series(server: RedisServer, args: argparse.Namespace, paths: list[str], rate: float, tag: str
                ) -> dict[str, list[Result]]:
     results: dict[str, list[Result]] = {p: [] for p in paths}
@@ -408,38 +403,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile_paths(args, paths)
         return {}
     with RedisServer() as server:
-        sat = run_series(server, args, paths, 0.0, "sat")
-        sat_load = load1()
+        with OutsideLoad() as sat_outside:
+            sat = run_series(server, args, paths, 0.0, "sat")
+        sat_load = sat_outside.load
         twin_rate = med(sat, "twin", "rate")
-        fixed = {f: run_series(server, args, ["twin", "project"], f * twin_rate, f"load{f:g}") for f in loads}
-        fixed_load = load1()
+        fixed: dict[float, dict[str, list[Result]]] = {}
+        with OutsideLoad() as fixed_outside:
+            for f in loads:
+                fixed[f] = run_series(server, args, ["twin", "project"], f * twin_rate, f"load{f:g}")
+        fixed_load = fixed_outside.load
 
-    print(f"\nsaturation (medians of {args.reps}; load average {sat_load:.2f}):")
+    print(f"\nsaturation (medians of {args.reps}; {sat_load.describe()}):")
     for path in paths:
         print(f"  {path:9s} {med(sat, path, 'rate'):9,.0f} msg/s (spread {spread(sat, path, 'rate')})   "
               f"cpu/event us: pub {med(sat, path, 'pub_cpu_us'):5.1f} sub {med(sat, path, 'sub_cpu_us'):5.1f} "
               f"redis {med(sat, path, 'server_cpu_us'):5.1f} sum {med(sat, path, 'total_cpu_us'):5.1f}")
     for f, res in fixed.items():
         print(f"fixed offered load {f:g} x twin saturation = {f * twin_rate:,.0f} msg/s "
-              f"(medians of {args.reps}; load average {fixed_load:.2f}):")
+              f"(medians of {args.reps}; {fixed_load.describe()}):")
         for path in res:
             print(f"  {path:9s} {med(res, path, 'rate'):9,.0f} msg/s   p50 {med(res, path, 'p50_ms'):6.3f} ms   "
                   f"p99 {med(res, path, 'p99_ms'):6.3f} ms   p999 {med(res, path, 'p999_ms'):6.3f} ms")
-    tput = med(sat, "project", "rate") / twin_rate
-    price = med(sat, "project", "rate") / med(sat, "transport", "rate")
-    out: dict[str, Any] = {"throughput": tput, "transport": price, "sat_load": sat_load, "fixed_load": fixed_load}
-    print()
-    print(f"project / transport twin throughput: {price:.2f} (the price of deduplication and validation)")
-    print(f"project / idempotent twin throughput: {tput:.2f} (target >= 0.95): {verdict(tput >= 0.95, sat_load)}")
+    def per_rep(res: dict[str, list[Result]], num: str, den: str, attr: str) -> list[float]:
+        return paired_ratios([getattr(r, attr) for r in res[num]], [getattr(r, attr) for r in res[den]])
+
+    rows = [Row("events 1 KB", "project / idempotent twin, msg/s at saturation", per_rep(sat, "project", "twin", "rate"),
+                Target(">=", 0.95), sat_load),
+            Row("events 1 KB", "project / transport twin, msg/s (price of guarantees)",
+                per_rep(sat, "project", "transport", "rate"), None, sat_load)]
     if 0.5 in fixed:
-        res = fixed[0.5]
         for q in ("p50_ms", "p99_ms"):
-            r = med(res, "project", q) / med(res, "twin", q)
-            out[q[:-3]] = r
-            print(f"project / idempotent twin {q[:-3]} at 0.5 load: {r:.2f} (target <= 1.0): "
-                  f"{verdict(r <= 1.0, fixed_load)}")
+            rows.append(Row("events 1 KB", f"project / idempotent twin, {q[:-3]} at 0.5 load",
+                            per_rep(fixed[0.5], "project", "twin", q), Target("<=", 1.0), fixed_load))
+    out: dict[str, Any] = {"rows": rows, "sat_load": sat_load, "fixed_load": fixed_load}
+    print()
+    print(table(rows))
+    for line in reasons(rows):
+        print(line)
     if args.many:
-        many = med(sat, "many", "rate") / twin_rate
+        many = med(sat, "many", "rate") / med(sat, "twin", "rate")
         print(f"many (publish_many x{args.batch}) / idempotent twin (serial): {many:.2f} "
               "(batched vs serial publishing: not like for like)")
     return out

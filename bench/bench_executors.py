@@ -254,7 +254,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     top = counts[-1]
     state = f"no verdict (load average {load:.2f} > 1)" if load > 1 else ("met" if eff[top] >= 0.9 else "MISSED")
     print(f"target: scaling efficiency at {top} executors >= 0.9 (medians): {eff[top]:.3f} -> {state}")
-    return {"efficiency": eff, "load": load}
+    per_rep = {n: [rs[i]["rate"] / (n * runs[counts[0]][i]["rate"] / counts[0]) for i in range(len(rs))]
+               for n, rs in runs.items()}  # each repeat's rate against the same repeat's smallest fleet
+    return {"efficiency": eff, "efficiency_reps": per_rep, "load": load}
 
 
 if __name__ == "__main__":

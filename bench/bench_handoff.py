@@ -35,6 +35,9 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from verdict import OutsideLoad, Row, Target, paired_ratios, reasons, table  # noqa: E402
 
 PAGE = 4096
 POLICY = "bench"
@@ -266,10 +269,6 @@ LABELS = {"tcp": "tcp floor (loopback)", "redis": "redis store (tcp)", "redis-un
           "ray": "ray object store"}
 
 
-def verdict(ok: bool, load: float) -> str:
-    return f"no verdict (load average {load:.2f} > 1)" if load > 1.0 else ("met" if ok else "MISSED")
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the bench and prints its table; returns the medians (ms) by path and the load averages."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--only", default=",".join(LABELS))
     ap.add_argument("--no-verify", action="store_true", help="consumers skip the checksum check on fetch")
+    ap.add_argument("--redis-spec", default="redis", help="store spec of the redis rows, e.g. redis?window=8")
     args = ap.parse_args(argv)
     verify = not args.no_verify
     wanted = [name for name in LABELS if name in set(args.only.split(","))]
@@ -290,14 +290,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"paths interleaved, median (min) of {args.reps} rounds after {args.warmup} warm-up; "
           f"checksum {'verified' if verify else 'NOT verified'} on fetch; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
-    load_start = os.getloadavg()[0]
+    outside = OutsideLoad().__enter__()
     sock_dir = tempfile.mkdtemp(prefix="bench-redis-")
     file_root = tempfile.mkdtemp(prefix="bench-file-store-")
     server = RedisServer(extra_args=["--unixsocket", f"{sock_dir}/redis.sock", "--unixsocketperm", "700"]).start()
     makers: dict[str, Callable[[], Any]] = {
         "tcp": lambda: TcpPath(tensors),
-        "redis": lambda: StorePath(server.url, "redis", tensors, verify),
-        "redis-unix": lambda: StorePath(f"unix://{sock_dir}/redis.sock?db=0", "redis", tensors, verify),
+        "redis": lambda: StorePath(server.url, args.redis_spec, tensors, verify),
+        "redis-unix": lambda: StorePath(f"unix://{sock_dir}/redis.sock?db=0", args.redis_spec, tensors, verify),
         "shm": lambda: StorePath(server.url, "shm", tensors, verify),
         "shm-shared": lambda: StorePath(server.url, "shm?reads=shared", tensors, verify),
         "shm-unverified": lambda: StorePath(server.url, "shm", tensors, False),
@@ -335,10 +335,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shutil.rmtree(file_root, ignore_errors=True)
         shutil.rmtree(sock_dir, ignore_errors=True)
 
+    outside.__exit__(None, None, None)
+    load = outside.load
     med = {name: statistics.median(v) * 1e3 for name, v in totals.items()}
     floor, ray_ms = med.get("tcp"), med.get("ray")
-    load = max(load_start, os.getloadavg()[0])
-    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    print(f"{load.describe()} while it ran")
     print()
     print(f"{'path':28} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'GB/s':>6} {'publish ms':>11} {'x tcp':>6} "
           f"{'x ray':>6}")
@@ -352,14 +353,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for line in skipped:
         print(f"skipped {line}")
     print()
-    if floor and "redis" in med:
-        r = med["redis"] / floor
-        print(f"target: redis store within 2x of the tcp floor: {r:.2f}x -> {verdict(r <= 2, load)}")
-    for name in ("shm", "shm-shared"):
-        if ray_ms and name in med:
-            print(f"target: {LABELS[name]} faster than ray: {med[name]:.1f} vs {ray_ms:.1f} ms -> "
-                  f"{verdict(med[name] < ray_ms, load)}")
-    return {"median_ms": med, "load": load, "skipped": skipped}
+    rows = []
+    if "tcp" in totals:
+        for name in ("redis", "redis-unix", "file"):
+            if name in totals:
+                rows.append(Row("handoff 64 MiB", f"{LABELS[name]} / tcp floor, time",
+                                paired_ratios(totals[name], totals["tcp"]),
+                                Target("<=", 2.0) if name == "redis" else None, load))
+    for name in ("shm", "shm-shared", "shm-unverified"):
+        if name not in totals:
+            continue
+        target = Target("<", 1.0) if name == "shm" else None
+        if "ray" in totals:
+            rows.append(Row("handoff 64 MiB", f"{LABELS[name]} / ray, time", paired_ratios(totals[name], totals["ray"]),
+                            target, load))
+        elif name == "shm":
+            rows.append(Row("handoff 64 MiB", "shm store / ray", [], target, load,
+                            note="ray skipped: " + "; ".join(skipped or ["not asked for"])))
+    print(table(rows))
+    for line in reasons(rows):
+        print(line)
+    return {"median_ms": med, "load": load, "skipped": skipped, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"{med_spread(train):>19}  {med_spread(of_ideal):>19}  {speedup:8.3f}  "
               f"{statistics.median(ideal_speedup):14.3f}")
         out[mode] = statistics.median(of_ideal)
+        out[f"{mode}_reps"] = of_ideal
     print()
     for mode in modes:
         if mode == "sync":

@@ -161,9 +161,12 @@ class EncodedBatch:
 
     def write_into(self, out: Any, offset: int = 0) -> None:
         """Copy the batch into the writable buffer ``out`` at ``offset``: the tensor bytes first, the
-        header last. Each ``HASH_CHUNK`` piece is hashed from ``out`` right after it is copied, while
-        it is still in cache (one read of the tensors' memory instead of two); a batch whose hash
-        already started (``start_checksum``) or finished is copied and its hash finished as it is."""
+        header last, each byte read once. Each ``HASH_CHUNK`` piece is copied ``COPY_STEP`` bytes at a
+        time and each step hashed (streaming xxh3) from ``out`` right after it is copied, while it is
+        still in the core's cache; pieces are shared out among up to ``MAX_HASH_THREADS`` threads (the
+        caller and helpers; numpy's copy and xxhash release the GIL). Returns only once no helper
+        touches ``out`` any more. A batch whose hash already started (``start_checksum``) or finished
+        is copied and its hash finished as it is."""
         dst = np.frombuffer(out, dtype=np.uint8)
         pos = offset + len(self.buffers[0])
         if self._checksum is not None or self._hasher._started:
@@ -173,20 +176,82 @@ class EncodedBatch:
                 pos += src.nbytes
             self.finish()
         else:
-            digests: list[int] = []
+            pieces: list[tuple[np.ndarray, np.ndarray]] = []
             for buf in self.buffers[1:]:
                 src = np.frombuffer(buf, dtype=np.uint8)
                 if id(buf) not in self._fields:  # alignment padding: not hashed
                     np.copyto(dst[pos:pos + src.nbytes], src)
-                    pos += src.nbytes
-                    continue
-                for i in range(0, src.nbytes, HASH_CHUNK):
-                    piece = dst[pos + i:pos + min(i + HASH_CHUNK, src.nbytes)]
-                    np.copyto(piece, src[i:i + HASH_CHUNK])
-                    digests.append(xxhash.xxh3_64_intdigest(piece.data))
+                else:
+                    pieces += [(dst[pos + i:pos + min(i + HASH_CHUNK, src.nbytes)], src[i:i + HASH_CHUNK])
+                               for i in range(0, src.nbytes, HASH_CHUNK)]
                 pos += src.nbytes
-            self._set_checksum(_combine(digests))
+            self._set_checksum(_combine(_copy_and_hash(pieces, self.nbytes)))
         dst[offset:offset + len(self.buffers[0])] = np.frombuffer(self.buffers[0], dtype=np.uint8)
+
+
+COPY_STEP = 256 << 10
+"""Bytes copied and then hashed at a time by ``EncodedBatch.write_into``: small enough to be hashed
+from the core's own cache (L2) right after the copy."""
+
+
+def _copy_piece(dst: np.ndarray, src: np.ndarray) -> int:
+    """Copy ``src`` into ``dst`` ``COPY_STEP`` bytes at a time, hashing each step from ``dst`` as copied:
+    the digest of the whole piece (streaming xxh3-64 equals the one-shot digest)."""
+    h = xxhash.xxh3_64()
+    for i in range(0, src.nbytes, COPY_STEP):
+        step = dst[i:i + COPY_STEP]
+        np.copyto(step, src[i:i + COPY_STEP])
+        h.update(step.data)
+    return h.intdigest()
+
+
+def _copy_and_hash(pieces: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> list[int]:
+    """Digests of ``pieces`` (destination, source) copied by ``_copy_piece``, taken in turn by the caller
+    and, for a large batch, helper threads. Once the caller has no piece left to take it closes the
+    work: a helper not yet scheduled then exits without touching anything (no wait for it), and the
+    caller waits only for helpers in the middle of a piece (one still copying when the buffer is
+    handed on would write into it later)."""
+    digests: list[int] = [0] * len(pieces)
+    taken = itertools.count()
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+    idle = threading.Condition(lock)
+    state = {"closed": False, "active": 0}
+
+    def work(helper: bool) -> None:
+        while True:
+            with lock:
+                if state["closed"]:
+                    return
+                i = next(taken)
+                if i >= len(pieces):
+                    return
+                if helper:
+                    state["active"] += 1
+            try:
+                digests[i] = _copy_piece(*pieces[i])
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller
+                failed.append(exc)
+                return
+            finally:
+                if helper:
+                    with lock:
+                        state["active"] -= 1
+                        idle.notify_all()
+
+    if nbytes >= PARALLEL_HASH_MIN_BYTES and MAX_HASH_THREADS > 1:
+        for _ in range(min(MAX_HASH_THREADS - 1, len(pieces) - 1)):
+            _thread.start_new_thread(work, (True,))  # not threading.Thread: its start() waits for the thread
+    try:
+        work(False)
+    finally:
+        with lock:
+            state["closed"] = True
+            while state["active"]:
+                idle.wait()
+    if failed:
+        raise failed[0]
+    return digests
 
 
 def _bytes_view(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:

@@ -29,6 +29,9 @@ Reply = bytes | int | None | list[Any]
 
 BIG_ARG = 64 << 10
 _READ_SIZE = 64 << 10
+_LINE_READ = 64
+"""Bytes read at a time around a bulk reply received in place: its length line and closing CRLF. Small, so
+that the reply's bytes go from the socket straight into the caller's buffer instead of through ours."""
 
 
 class RespError(Exception):
@@ -183,28 +186,28 @@ class RespConnection:
         return self.read_reply()
 
     # --- reading -------------------------------------------------------------------------
-    def _fill(self) -> None:
+    def _fill(self, size: int = _READ_SIZE) -> None:
         sock = self._socket()
         if self._rpos:
             del self._rbuf[:self._rpos]
             self._rpos = 0
-        chunk = sock.recv(_READ_SIZE)
+        chunk = sock.recv(size)
         if not chunk:
             raise ConnectionError("Redis closed the connection")
         self._rbuf += chunk
 
-    def _line(self) -> bytes:
+    def _line(self, read_size: int = _READ_SIZE) -> bytes:
         while True:
             end = self._rbuf.find(b"\r\n", self._rpos)
             if end >= 0:
                 line = bytes(self._rbuf[self._rpos:end])
                 self._rpos = end + 2
                 return line
-            self._fill()
+            self._fill(read_size)
 
-    def _skip(self, n: int) -> None:
+    def _skip(self, n: int, read_size: int = _READ_SIZE) -> None:
         while len(self._rbuf) - self._rpos < n:
-            self._fill()
+            self._fill(read_size)
         if self._rbuf[self._rpos:self._rpos + n] != b"\r\n"[:n]:
             raise RespProtocolError("bulk reply not terminated by CRLF")
         self._rpos += n
@@ -234,8 +237,9 @@ class RespConnection:
         raise RespProtocolError(f"unexpected reply {line[:40]!r}")
 
     def read_bulk_into(self, out: memoryview) -> bool:
-        """Read one bulk reply into ``out``, which must be exactly its size; False for nil."""
-        line = self._line()
+        """Read one bulk reply into ``out``, which must be exactly its size; False for nil. The bytes go
+        from the socket into ``out`` (only what a small read of the length line took comes through here)."""
+        line = self._line(_LINE_READ)
         if line[:1] == b"-":
             raise RespError(line[1:].decode(errors="replace"))
         if line[:1] != b"$":
@@ -246,13 +250,13 @@ class RespConnection:
         if n != out.nbytes:
             raise RespProtocolError(f"bulk reply of {n} bytes where {out.nbytes} were expected")
         self._read_exact(out)
-        self._skip(2)
+        self._skip(2, _LINE_READ)
         return True
 
     def _read_exact(self, out: memoryview) -> None:
         have = min(len(self._rbuf) - self._rpos, out.nbytes)
         if have:
-            out[:have] = self._rbuf[self._rpos:self._rpos + have]
+            out[:have] = memoryview(self._rbuf)[self._rpos:self._rpos + have]
             self._rpos += have
         sock = self._socket()
         got, n = have, out.nbytes

@@ -17,7 +17,7 @@ import torch
 from rollout_bus.events.batch import decode, encode
 from rollout_bus.events.connection import connect
 from rollout_bus.events.embedded import RedisServer
-from rollout_bus.events.errors import PayloadMissing, RedisCommandError
+from rollout_bus.events.errors import ChecksumMismatch, PayloadMissing, RedisCommandError
 from rollout_bus.events.names import Keys
 from rollout_bus.events.payload import PayloadStore, RedisStore, ShmStore, make_store
 
@@ -94,6 +94,24 @@ def test_the_raw_redis_store_round_trips_payloads_of_many_chunks(redis_client: r
         reference = store.put(f"pol:n{n}", encode(t), ttl_s=30)
         assert torch.equal(decode(store.get(reference)).tensors["x"], t["x"])
         assert 0 < int(redis_client.ttl(keys.payload_chunk(f"pol:n{n}", 0))) <= 30
+    store.close()
+
+
+def test_a_corrupted_chunk_of_the_raw_redis_store_is_a_checksum_mismatch(redis_client: redis.Redis,
+                                                                         keys: Keys) -> None:
+    store = RedisStore(redis_client, keys, chunk_bytes=1 << 18, window=4)
+    t = fields(4, n=2_000_000)  # about 13 MiB: several hash pieces over many chunks, lines read in place
+    reference = store.put("pol:b1", encode(t, {"k": 1}), ttl_s=30)
+    batch = decode(store.get(reference))
+    assert sums(batch.tensors) == sums(t) and batch.meta == {"k": 1}
+    key = keys.payload_chunk("pol:b1", 7)
+    chunk = bytearray(redis_client.get(key))
+    chunk[1000] ^= 0x01
+    redis_client.set(key, bytes(chunk))
+    with pytest.raises(ChecksumMismatch):
+        decode(store.get(reference))
+    again = store.put("pol:b2", encode(t), ttl_s=30)  # the connection is still in step
+    assert sums(decode(store.get(again)).tensors) == sums(t)
     store.close()
 
 

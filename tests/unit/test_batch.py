@@ -239,3 +239,24 @@ def test_write_into_hashes_each_piece_as_copied_to_the_same_checksum() -> None:
     again = bytearray(started.nbytes)
     started.write_into(again)
     assert bytes(again) == reference
+
+
+def test_write_into_on_several_threads_copies_and_hashes_as_one_thread_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randint(0, 1 << 30, ((9 << 20) // 4 + 5,), dtype=torch.int32, generator=g),
+               "b": torch.randn(1_300_001, generator=g)}
+    reference = encode(tensors, {"k": 2}).tobytes()
+    monkeypatch.setattr(batch_mod, "PARALLEL_HASH_MIN_BYTES", 0)
+    monkeypatch.setattr(batch_mod, "MAX_HASH_THREADS", 3)
+    monkeypatch.setattr(batch_mod, "COPY_STEP", 100_000)  # steps that do not divide a piece
+    out = bytearray(len(reference))
+    encode(tensors, {"k": 2}, defer_checksum=True).write_into(out)
+    assert bytes(out) == reference
+
+
+def test_write_into_raises_what_a_helper_thread_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_mod, "PARALLEL_HASH_MIN_BYTES", 0)
+    monkeypatch.setattr(batch_mod, "MAX_HASH_THREADS", 3)
+    enc = encode({"a": torch.zeros(3 << 20, dtype=torch.uint8)}, defer_checksum=True)
+    with pytest.raises(ValueError):
+        enc.write_into(bytearray(enc.nbytes - 1))  # too small: every thread's last piece fails
