@@ -530,6 +530,7 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                     _adopt_engines(client, keys, procs)
                     last_adopt = time.monotonic()
             except BusReset as exc:
+                _let_roles_notice(procs)
                 raise RunFailed(f"{exc}; the run stops (its streams, groups and registry are gone: nothing to "
                                 "resume from)") from None
             except BusError as exc:  # Redis away longer than the reconnect budget: the roles wait too
@@ -553,6 +554,16 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                 return runlog
             if time.monotonic() - started > config.timeout_s:
                 raise RunFailed(f"the run did not finish in {config.timeout_s:.0f}s")
+
+
+def _let_roles_notice(procs: Any) -> None:
+    """After a bus reset, give every role the time to see it on its own (its epoch check) and stop with the
+    reason in its log, before the run stops what is left: stopping them first would hide who noticed what."""
+    from rollout_bus.events.epoch import check_interval_s
+
+    deadline = time.monotonic() + min(3 * check_interval_s() + 1.0, 10.0)
+    while time.monotonic() < deadline and any(child.alive() for child in procs.children):
+        time.sleep(0.1)
 
 
 def _adopt_engines_quietly(client: Any, keys: Any, procs: Any) -> None:
