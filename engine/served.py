@@ -259,7 +259,11 @@ class ServedModel(ABC):
         with torch.no_grad():
             for name, tensor in self._live.items():
                 if tensor.numel() == 0:  # a tied alias is restored once, through the first name
-                    tensor.data = state[name].to(device=self.device, dtype=tensor.dtype)
+                    # into storage of its own: safetensors' tensors are views into one buffer, at offsets that
+                    # are not 64-byte aligned, and the matmul kernels picked for unaligned data round
+                    # differently (the same weights gave log-probs 2e-7 apart)
+                    src = state[name]
+                    tensor.data = torch.empty(src.shape, dtype=tensor.dtype, device=self.device).copy_(src)
         del state
         self.reload_from = None
         with self._lock:
