@@ -1,0 +1,47 @@
+"""How bench/bench_learning.py places a run's held-out evals in time and compares modes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from bench_learning import read_curve  # noqa: E402
+
+
+def write_run(out: Path, evals: list[dict[str, object]], steps: list[dict[str, object]]) -> None:
+    metrics = out / "metrics"
+    metrics.mkdir(parents=True)
+    (metrics / "run-x-p0-eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    (metrics / "run-x-p0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+
+
+def acc(value: float) -> dict[str, float]:
+    return {"accuracy": value, "accuracy_lo": value - 0.1, "accuracy_hi": value + 0.1}
+
+
+def test_an_eval_is_placed_when_its_step_finished_not_when_it_finished(tmp_path: Path) -> None:
+    evals = [  # written in completion order: the step-2 eval finished after step 4 did
+        {"phase": "before", "step": 0, "time": 100.0, "metrics": acc(0.2)},
+        {"phase": "during", "step": 2, "time": 140.0, "metrics": acc(0.5)},
+        {"phase": "after", "step": 4, "time": 150.0, "metrics": acc(0.4)},
+        {"phase": "during", "step": 4, "time": 151.0, "error": "failed"},
+    ]
+    steps = [{"step": s, "time": 100.0 + 10 * s, "metrics": {"batch/samples": 16}} for s in range(1, 5)]
+    write_run(tmp_path, evals, steps)
+    curve = read_curve(tmp_path, "sync", 0, wall_s=99.0)
+    assert [(p.step, p.t_s, p.accuracy) for p in curve.points] == [(0, 0.0, 0.2), (2, 20.0, 0.5), (4, 40.0, 0.4)]
+    assert curve.train_s == 40.0 and curve.samples == 64
+    assert curve.final == 0.4  # the after eval, not the best one
+    assert curve.time_to(0.4) == 20.0 and curve.time_to(0.5) == 20.0 and curve.time_to(0.6) is None
+
+
+def test_a_run_without_its_eval_before_training_is_an_error(tmp_path: Path) -> None:
+    write_run(tmp_path, [{"phase": "after", "step": 2, "time": 5.0, "metrics": acc(0.4)}],
+              [{"step": 1, "time": 1.0, "metrics": {}}])
+    with pytest.raises(RuntimeError, match="no eval before training"):
+        read_curve(tmp_path, "async", 1, wall_s=1.0)
