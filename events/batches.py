@@ -38,7 +38,14 @@ from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissin
 from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys, check_name
 from rollout_bus.events.payload import make_store
-from rollout_bus.events.payload.base import BatchDraft, PayloadStore, Reference, check_owner, check_ref, make_ref
+from rollout_bus.events.payload.base import (
+    BatchDraft,
+    PayloadStore,
+    Reference,
+    check_owner,
+    check_ref,
+    make_ref,
+)
 from rollout_bus.events.payload.file import FileStore
 from rollout_bus.events.payload.memfd import MemfdStore, check_server
 from rollout_bus.events.payload.shm import DEFAULT_ROOT as SHM_ROOT

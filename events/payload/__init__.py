@@ -16,14 +16,21 @@ import redis
 
 from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.names import Keys
-from rollout_bus.events.payload.base import BatchDraft, PayloadBuffer, PayloadStore, Reference, check_ref, make_ref
+from rollout_bus.events.payload.base import (
+    BatchDraft,
+    PayloadBuffer,
+    PayloadStore,
+    Reference,
+    check_ref,
+    make_ref,
+)
 from rollout_bus.events.payload.file import FileStore
 from rollout_bus.events.payload.memfd import MemfdStore
 from rollout_bus.events.payload.redis import DEFAULT_CHUNK_BYTES, RedisStore
 from rollout_bus.events.payload.shm import DEFAULT_ROOT, ShmStore
 
-__all__ = ["BatchDraft", "FileStore", "MemfdStore", "PayloadBuffer", "PayloadStore", "RedisStore", "Reference", "ShmStore", "StoreSpec",
-           "check_ref", "make_ref", "make_store"]
+__all__ = ["BatchDraft", "FileStore", "MemfdStore", "PayloadBuffer", "PayloadStore", "RedisStore", "Reference",
+           "ShmStore", "StoreSpec", "check_ref", "make_ref", "make_store"]
 
 StoreKind = Literal["redis", "shm", "memfd", "file"]
 _OPTIONS: dict[str, set[str]] = {"redis": {"chunk_kib", "window", "raw"}, "shm": {"pool_mib", "reads", "fallback"},
