@@ -52,6 +52,8 @@ SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 """The seals a reader requires before it reads a segment without a checksum."""
 MADV_POPULATE_WRITE = 23
 SERVER_START_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 30.0
+"""How long a request waits for a segment server's answer before the payload counts as missing."""
 _SERVER_NAME_RE = re.compile(r"[0-9a-f]{8,32}")
 _SERVER_SCRIPT = str(Path(__file__).with_name("segment_server.py"))
 
@@ -138,7 +140,7 @@ class MemfdStore(PayloadStore):
             mine.close()
             proc.kill()
             raise OSError(f"memfd segment server {name} did not start (exit status {proc.poll()})")
-        mine.settimeout(None)
+        mine.settimeout(REQUEST_TIMEOUT_S)  # an ADD waits at most this long for the server's answer
         self._control, self.server_name = mine, name
 
     def _request(self, server: str, message: bytes) -> tuple[bytes, list[int]]:
@@ -149,6 +151,7 @@ class MemfdStore(PayloadStore):
                 conn = self._conns.get(server)
                 if conn is None:
                     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+                    conn.settimeout(REQUEST_TIMEOUT_S)
                     try:
                         conn.connect(address(server))
                     except (ConnectionRefusedError, FileNotFoundError):
@@ -162,6 +165,11 @@ class MemfdStore(PayloadStore):
                 try:
                     conn.send(message)
                     reply, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 1)
+                except TimeoutError:
+                    conn.close()
+                    del self._conns[server]
+                    raise PayloadMissing(f"memfd segment server {server} did not answer in "
+                                         f"{REQUEST_TIMEOUT_S:.0f} s") from None
                 except OSError as exc:
                     if exc.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
                         raise
@@ -219,7 +227,9 @@ class MemfdStore(PayloadStore):
                 assert self._control is not None
                 try:
                     socket.send_fds(self._control, [f"ADD {ref} {nbytes} {ttl_s}".encode()], [fd])
-                    break
+                    if self._control.recv(16) == b"OK":  # held: a reader that sees the event finds it
+                        break
+                    raise ConnectionResetError(errno.ECONNRESET, "segment server closed its control socket")
                 except OSError as exc:
                     if attempt or exc.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ECONNREFUSED):
                         raise

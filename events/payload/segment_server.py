@@ -6,7 +6,8 @@ abstract unix socket ``rollout-bus-memfd/<uid>/<name>`` (``SOCK_SEQPACKET``: one
 reply); only processes of its own user may connect (``SO_PEERCRED``). Requests are ASCII words:
 
 * from the producer, on the control socket it was started with: ``ADD <ref> <nbytes> <ttl_s>``
-  with the sealed segment's descriptor (``SCM_RIGHTS``), ``DROP <ref>``;
+  with the sealed segment's descriptor (``SCM_RIGHTS``), answered ``OK`` once the segment is held
+  (so that no reader can ask before it is there), and ``DROP <ref>``;
 * from anyone of its user, on the listening socket: ``GET <ref>`` (answered ``OK <nbytes>`` with
   the descriptor, or ``MISSING``), ``DROP <ref>`` (the last reader released it) and ``EXPIRE <age_s>``
   (drop segments added more than ``age_s`` ago; answered ``OK <count>``).
@@ -104,6 +105,7 @@ class Server:
             self._drop(args[0])
             now = time.monotonic()
             self.segments[args[0]] = (fds[0], nbytes, now, now + ttl_s)
+            sock.send(b"OK")
             return
         for fd in fds:  # a descriptor with any other request is not kept
             os.close(fd)
