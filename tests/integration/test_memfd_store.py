@@ -56,6 +56,14 @@ if step == "read":
     event = decode_as(BatchReady, client.xrevrange(keys.batch_stream("pol"), count=1)[0][1])
     batch = channel.fetch(event)
     print(json.dumps({"sum": float(batch.tensors["x"].double().sum())}), flush=True)
+elif step == "loop":
+    print(json.dumps({"server": channel.store.locator()["root"]}), flush=True)
+    i = 0
+    while True:
+        draft = channel.allocate("pol", {"x": ((1 << 16,), torch.float32)}, {"i": i})
+        draft["x"].fill_(float(i))
+        channel.publish("pol", f"b{i}", draft)
+        i += 1
 else:
     draft = channel.allocate("pol", {"x": ((1 << 18,), torch.float32)}, {"step": step})
     draft["x"].fill_(2.0)
@@ -284,6 +292,22 @@ def test_a_producer_killed_after_publishing_leaves_the_batch_readable_until_rele
     assert channel.release(event, "g1") is True
     wait_for(lambda: not holders(server), "the released segment to be freed")
     wait_for(lambda: server_pid(server) is None, "the orphaned segment server to exit")
+
+
+def test_a_producer_killed_anywhere_in_a_publishing_loop_leaves_nothing_the_janitors_sweep_does_not_free(
+        child: Callable[..., tuple[subprocess.Popen[str], dict[str, object]]], channel: BatchChannel,
+        keys: Keys) -> None:
+    proc, info = child("loop")
+    server = str(info["server"])
+    stream = keys.batch_stream(POLICY)
+    wait_for(lambda: channel.client.xlen(stream) >= 5, "the producer to publish a few batches")
+    proc.send_signal(signal.SIGKILL)  # wherever it is: allocating, filling, sealing, handing over, appending
+    proc.wait()
+    assert holders(server), "nothing was held when the producer died"
+    swept = channel.sweep(0)
+    assert swept.payloads.get("memfd", 0) >= 5 and swept.unreachable == 0
+    wait_for(lambda: not holders(server), "every segment of the killed producer to be freed")
+    wait_for(lambda: server_pid(server) is None, "its segment server to exit")
 
 
 def test_a_reader_killed_while_mapping_a_batch_leaks_nothing_once_its_group_releases(
