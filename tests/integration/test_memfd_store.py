@@ -24,9 +24,9 @@ import pytest
 import redis
 import torch
 
-from rollout_bus.events.batch import decode, encode, layout
+from rollout_bus.events.batch import RaggedSpec, decode, encode, layout
 from rollout_bus.events.batches import BatchChannel
-from rollout_bus.events.errors import ChecksumMismatch, PayloadMissing
+from rollout_bus.events.errors import ChecksumMismatch, InvalidRequest, PayloadMissing
 from rollout_bus.events.names import Keys
 from rollout_bus.events.payload import MemfdStore, make_store
 from rollout_bus.events.payload.memfd import is_sealed, new_segment
@@ -378,3 +378,31 @@ def test_an_unknown_server_or_another_hosts_segment_is_missing(channel: BatchCha
         channel.store.get(gone)
     with pytest.raises(PayloadMissing, match="host"):
         channel.store.get(dict(event.payload, host="elsewhere"))
+
+
+@pytest.mark.parametrize("spec", ["redis", "shm", "file", "memfd"])
+def test_a_draft_publishes_through_every_store_and_a_repeat_uses_the_draft_up_without_a_second_payload(
+        redis_client: redis.Redis, keys: Keys, tmp_path: Path, spec: str) -> None:
+    full = {"shm": f"shm:{tmp_path / 'shm'}", "file": f"file:{tmp_path / 'files'}"}.get(spec, spec)
+    ch = BatchChannel(redis_client, keys, make_store(full, redis_client, keys))
+    try:
+        def draft(value: float) -> object:
+            d = ch.allocate(POLICY, {"x": ((1000,), torch.float32), "r": RaggedSpec(5, 2, torch.int64)}, {"v": value})
+            d["x"].fill_(value)
+            d["r"].values.copy_(torch.arange(5))
+            d["r"].offsets.copy_(torch.tensor([0, 1, 5]))
+            return d
+        first = ch.publish(POLICY, "b1", draft(1.0))  # type: ignore[arg-type]
+        repeat = draft(2.0)
+        assert ch.publish(POLICY, "b1", repeat) == first  # type: ignore[arg-type]
+        assert repeat.tensors == {}  # type: ignore[attr-defined]
+        assert redis_client.xlen(keys.batch_stream(POLICY)) == 1 and redis_client.zcard(keys.payload_index) == 1
+        event = latest(ch)
+        batch = ch.fetch(event)
+        assert event.n_samples == 1000 and batch.meta == {"v": 1.0} and float(batch.tensors["x"].sum()) == 1000.0
+        assert [r.tolist() for r in batch.ragged["r"].to_list()] == [[0], [1, 2, 3, 4]]
+        with pytest.raises(InvalidRequest, match="meta"):
+            ch.publish(POLICY, "b2", draft(3.0), {"v": 3})  # type: ignore[arg-type]
+    finally:
+        ch.delete_expired(0)
+        ch.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis
 import torch
@@ -12,8 +14,8 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.payload import MemfdStore, RedisStore, StoreSpec, make_store
 
 
-def filled(fields: dict[str, object], meta: dict[str, object]) -> tuple[bytearray, dict[str, object]]:
-    plan = layout(fields, meta)  # type: ignore[arg-type]
+def filled(fields: dict[str, Any], meta: dict[str, Any]) -> tuple[bytearray, dict[str, Any]]:
+    plan = layout(fields, meta)
     buf = bytearray(plan.nbytes)
     buf[:len(plan.head)] = plan.head
     return buf, plan.tensors(buf)
@@ -21,9 +23,9 @@ def filled(fields: dict[str, object], meta: dict[str, object]) -> tuple[bytearra
 
 def test_a_batch_filled_in_place_decodes_like_an_encoded_one_without_its_checksum() -> None:
     buf, t = filled({"a": ((3, 4), torch.float32), "r": RaggedSpec(5, 2, torch.int32)}, {"m": 1})
-    t["a"].copy_(torch.arange(12, dtype=torch.float32).view(3, 4))  # type: ignore[union-attr]
-    t["r"].values.copy_(torch.arange(5))  # type: ignore[union-attr]
-    t["r"].offsets.copy_(torch.tensor([0, 2, 5]))  # type: ignore[union-attr]
+    t["a"].copy_(torch.arange(12, dtype=torch.float32).view(3, 4))
+    t["r"].values.copy_(torch.arange(5))
+    t["r"].offsets.copy_(torch.tensor([0, 2, 5]))
     batch = decode(buf, verify=False)
     reference = decode(encode({"a": torch.arange(12, dtype=torch.float32).view(3, 4)}).tobytes())
     assert torch.equal(batch.tensors["a"], reference.tensors["a"]) and batch.meta == {"m": 1}
