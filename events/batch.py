@@ -55,6 +55,7 @@ MAX_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 HELPER_EXIT_WAIT_S = 0.05
 """How long verifying a received batch waits for hash helpers to let go of its buffer (see ``_Hasher``)."""
 _PREFIX = struct.Struct("<4sHHI")
+_FLAGS, _FLAGS_AT = struct.Struct("<H"), 6  # the prefix's flags field
 _ZEROS = bytes(ALIGN)
 
 DTYPES: dict[str, torch.dtype] = {
@@ -159,6 +160,13 @@ class EncodedBatch:
     @property
     def checksum(self) -> int:
         return self.finish()
+
+    def unhashed_header(self) -> bytearray:
+        """A copy of the header that says ``FLAG_UNHASHED`` (its checksum left zero), for a store whose
+        segment the kernel seals: the batch is then written without hashing it."""
+        header = bytearray(self.buffers[0])
+        _FLAGS.pack_into(header, _FLAGS_AT, FLAG_UNHASHED)
+        return header
 
     def tobytes(self) -> bytes:
         """One contiguous copy (for tests and small batches)."""

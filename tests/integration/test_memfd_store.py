@@ -406,3 +406,15 @@ def test_a_draft_publishes_through_every_store_and_a_repeat_uses_the_draft_up_wi
     finally:
         ch.delete_expired(0)
         ch.close()
+
+
+def test_a_published_mapping_of_tensors_is_written_unhashed_into_a_sealed_segment(channel: BatchChannel) -> None:
+    t = {"x": torch.randn(5000), "ids": torch.arange(77)}
+    channel.publish(POLICY, "b1", t, {"m": 1})
+    event = latest(channel)
+    buffer, sealed = channel.store.get_sealed(event.payload)
+    assert sealed
+    with pytest.raises(ChecksumMismatch, match="no checksum"):  # not hashed: the seals vouch instead
+        decode(buffer)
+    batch = channel.fetch(event)
+    assert batch.meta == {"m": 1} and all(torch.equal(batch.tensors[k], v) for k, v in t.items())
