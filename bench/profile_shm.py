@@ -1,10 +1,12 @@
-"""cProfile of the shm store's hot path: ``BatchChannel.publish`` then ``fetch`` + touch of a 64 MiB batch.
+"""cProfile of the shm or memfd store's hot path: ``BatchChannel.publish`` then ``fetch`` + touch of a 64 MiB batch.
 
 One process plays both sides (the bench_handoff shape without the process hop), so the profile
 shows where the time of a hand-off goes: encode and checksum, the copy into the segment, the
-mapping, the checksum verify, the touch.
+mapping, the checksum verify, the touch. ``--store memfd`` profiles the memfd store as a producer
+uses it: ``allocate`` a draft, copy the tensors into it, ``publish`` (seal), then fetch + touch
+and the last release (the segment server drops it).
 
-    python bench/profile_shm.py [--reps 20] [--reads private|shared] [--top 15]
+    python bench/profile_shm.py [--reps 20] [--store shm|memfd] [--reads private|shared] [--top 15]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rollout_bus.events.batches import BatchChannel  # noqa: E402
 from rollout_bus.events.connection import connect  # noqa: E402
 from rollout_bus.events.embedded import RedisServer  # noqa: E402
 from rollout_bus.events.names import Keys  # noqa: E402
+from rollout_bus.events.payload.memfd import MemfdStore  # noqa: E402
 from rollout_bus.events.payload.shm import ShmStore  # noqa: E402
 from rollout_bus.events.publish import Publisher  # noqa: E402
 from rollout_bus.events.schema import BatchReady, Producer, decode_as  # noqa: E402
@@ -37,6 +40,7 @@ from rollout_bus.events.schema import BatchReady, Producer, decode_as  # noqa: E
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--store", default="shm", choices=["shm", "memfd"])
     ap.add_argument("--reads", default="private", choices=["private", "shared"])
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args(argv)
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     with RedisServer() as server:
         client = connect(server.url)
         keys = Keys(f"prof{uuid.uuid4().hex[:6]}")
-        store = ShmStore(keys, root, reads=args.reads)  # type: ignore[arg-type]
+        store: ShmStore | MemfdStore = (MemfdStore(keys) if args.store == "memfd" else
+                                        ShmStore(keys, root, reads=args.reads))  # type: ignore[arg-type]
         channel = BatchChannel(client, keys, store, Publisher(client, keys, Producer("bench", "p0")))
         stream = keys.batch_stream("bench")
         prof = cProfile.Profile()
@@ -54,7 +59,14 @@ def main(argv: list[str] | None = None) -> None:
             if i == 2:
                 prof.enable()
                 t0 = time.perf_counter()
-            channel.publish("bench", f"b{i}", tensors, {"rep": i})
+            if args.store == "memfd":
+                draft = channel.allocate("bench", {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()},
+                                         {"rep": i})
+                for k, t in tensors.items():
+                    draft[k].copy_(t)
+                channel.publish("bench", f"b{i}", draft)
+            else:
+                channel.publish("bench", f"b{i}", tensors, {"rep": i})
             event = decode_as(BatchReady, client.xrevrange(stream, count=1)[0][1])
             batch = channel.fetch(event)
             touch_tensors(batch.tensors.values())
@@ -62,10 +74,11 @@ def main(argv: list[str] | None = None) -> None:
             store.delete(event.payload)
         prof.disable()
         per = (time.perf_counter() - t0) / args.reps * 1e3
-        print(f"shm store reads={args.reads}: {per:.1f} ms per publish + fetch + touch under the profiler "
+        print(f"{args.store} store reads={args.reads}: {per:.1f} ms per publish + fetch + touch under the profiler "
               f"(64 MiB, {args.reps} reps); load average {os.getloadavg()[0]:.2f}")
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
-        store.clear_pool()
+        if isinstance(store, ShmStore):
+            store.clear_pool()
         channel.close()
     shutil.rmtree(root, ignore_errors=True)
 

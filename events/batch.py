@@ -5,6 +5,9 @@ Layout of an encoded batch::
     magic "RBB\\0" | u16 version | u16 flags (0) | u32 header length | msgpack header
     | zero padding to 64 | field bytes, each field starting on a 64-byte boundary
 
+The prefix's flags are 0, or ``FLAG_UNHASHED`` for a batch written in place (``layout``) into a
+segment the kernel seals: it carries no checksum (its 8 bytes are zero) and cannot be verified.
+
 The header is a msgpack map ``{meta, fields, data_nbytes, hash_chunk, checksum}`` (the
 checksum last, as 8 little-endian bytes, so that it can be filled in after the rest); each
 field is ``{name, dtype, shape, offset, nbytes}`` (``offset`` from the start of the data
@@ -15,7 +18,8 @@ tensors, which a store writes with scatter-gather I/O. ``decode`` builds tensors
 ``torch.frombuffer`` over the given buffer, so they share its memory. The checksum is
 xxh3-64 over the field bytes cut into ``hash_chunk`` pieces, folded with xxh3-64 over the
 pieces' digests, so that large batches are hashed by several threads (xxhash releases the
-GIL). Nothing here unpickles: malformed input raises ``DecodeError`` and nothing else.
+GIL). ``layout`` places the fields of a batch before any tensor exists, so that a producer
+can build its tensors directly where a store keeps the bytes. Nothing here unpickles: malformed input raises ``DecodeError`` and nothing else.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from rollout_bus.events.errors import ChecksumMismatch, DecodeError, InvalidRequ
 
 MAGIC = b"RBB\x00"
 FORMAT_VERSION = 1
+FLAG_UNHASHED = 1
+"""Prefix flag: no checksum was computed (a batch built in place in a segment the kernel seals)."""
 ALIGN = 64
 HASH_CHUNK = 2 << 20
 DEFAULT_MAX_BYTES = 1 << 30
@@ -49,6 +55,7 @@ MAX_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 HELPER_EXIT_WAIT_S = 0.05
 """How long verifying a received batch waits for hash helpers to let go of its buffer (see ``_Hasher``)."""
 _PREFIX = struct.Struct("<4sHHI")
+_FLAGS, _FLAGS_AT = struct.Struct("<H"), 6  # the prefix's flags field
 _ZEROS = bytes(ALIGN)
 
 DTYPES: dict[str, torch.dtype] = {
@@ -153,6 +160,13 @@ class EncodedBatch:
     @property
     def checksum(self) -> int:
         return self.finish()
+
+    def unhashed_header(self) -> bytearray:
+        """A copy of the header that says ``FLAG_UNHASHED`` (its checksum left zero), for a store whose
+        segment the kernel seals: the batch is then written without hashing it."""
+        header = bytearray(self.buffers[0])
+        _FLAGS.pack_into(header, _FLAGS_AT, FLAG_UNHASHED)
+        return header
 
     def tobytes(self) -> bytes:
         """One contiguous copy (for tests and small batches)."""
@@ -340,6 +354,102 @@ def encode(tensors: Mapping[str, torch.Tensor | Ragged], meta: Mapping[str, Any]
     return batch
 
 
+# --- layout for batches built in place ------------------------------------------------------
+
+@dataclass(frozen=True)
+class RaggedSpec:
+    """A ragged field to allocate: ``rows`` rows over ``values`` elements of ``dtype`` (``values_shape``
+    when each element is itself a tensor)."""
+
+    values: int
+    rows: int
+    dtype: torch.dtype
+    values_shape: tuple[int, ...] = ()
+
+
+FieldSpec = tuple[Sequence[int], torch.dtype] | RaggedSpec
+"""A field to allocate: ``(shape, dtype)`` of a tensor, or a ``RaggedSpec``."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each field of a batch goes before any tensor exists: ``head`` (prefix, header, padding)
+    starts the buffer, each part of a field lies at its absolute ``offset``; ``nbytes`` in all. The
+    header says ``FLAG_UNHASHED``: such a batch is for a store whose segment the kernel seals."""
+
+    head: bytes
+    parts: tuple[tuple[str, str | None, torch.dtype, tuple[int, ...], int, int], ...]
+    nbytes: int
+
+    def tensors(self, buffer: Any) -> dict[str, torch.Tensor | Ragged]:
+        """The fields as tensors over ``buffer`` (writable, at least ``nbytes`` long), ragged ones as ``Ragged``."""
+        mv = memoryview(buffer).cast("B")
+        out: dict[str, torch.Tensor | Ragged] = {}
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for name, role, dtype, shape, offset, nbytes in self.parts:
+            if nbytes:
+                t = torch.frombuffer(mv, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).view(shape)
+            else:
+                t = torch.empty(shape, dtype=dtype)
+            if role is None:
+                out[name] = t
+            else:
+                halves.setdefault(name, {})[role] = t
+        for name, h in halves.items():
+            out[name] = Ragged(h["values"], h["offsets"])
+        return out
+
+
+def layout(fields: Mapping[str, FieldSpec], meta: Mapping[str, Any] | None = None, *,
+           max_bytes: int = DEFAULT_MAX_BYTES) -> Layout:
+    """The layout of a batch of ``fields`` and ``meta``, to be filled in place and never hashed.
+
+    Raises ``PayloadTooLarge`` over ``max_bytes`` and ``InvalidRequest`` for bad names, shapes or dtypes.
+    """
+    parts: list[tuple[str, str | None, torch.dtype, tuple[int, ...]]] = []
+    for name, spec in fields.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"field names must be non-empty strings, got {name!r}")
+        if isinstance(spec, RaggedSpec):
+            if spec.values < 0 or spec.rows < 0 or any(d < 0 for d in spec.values_shape):
+                raise InvalidRequest(f"{name}: negative size in {spec}")
+            parts += [(name, "values", spec.dtype, (spec.values, *spec.values_shape)),
+                      (name, "offsets", torch.int64, (spec.rows + 1,))]
+        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype):
+            shape = tuple(spec[0])
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise InvalidRequest(f"{name}: bad shape {spec[0]!r}")
+            parts.append((name, None, spec[1], shape))
+        else:
+            raise InvalidRequest(f"{name}: expected (shape, dtype) or a RaggedSpec, got {spec!r}")
+    records: list[dict[str, Any]] = []
+    offset = 0
+    for name, role, dtype, shape in parts:
+        if dtype not in _DTYPE_NAMES:
+            raise InvalidRequest(f"{name}: dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
+        offset = _align(offset)
+        record: dict[str, Any] = {"name": name, "dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
+                                  "offset": offset, "nbytes": math.prod(shape) * dtype.itemsize}
+        if role is not None:
+            record["ragged"] = role
+        records.append(record)
+        offset += record["nbytes"]
+    try:
+        header = msgpack.packb({"meta": dict(meta or {}), "fields": records, "data_nbytes": offset,
+                                "hash_chunk": HASH_CHUNK, "checksum": bytes(8)}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequest(f"batch meta must be msgpack-serialisable (str keys, plain values): {exc}") from None
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_UNHASHED, len(header)) + header
+    head_nbytes = _align(len(prefix))
+    nbytes = head_nbytes + offset
+    if nbytes > max_bytes:
+        raise PayloadTooLarge(f"batch of {nbytes / 2**20:.1f} MiB exceeds the {max_bytes / 2**20:.1f} MiB limit "
+                              f"(max_bytes={max_bytes}): split it or raise the limit")
+    placed = tuple((name, role, dtype, shape, head_nbytes + r["offset"], r["nbytes"])
+                   for (name, role, dtype, shape), r in zip(parts, records, strict=True))
+    return Layout(prefix + bytes(head_nbytes - len(prefix)), placed, nbytes)
+
+
 # --- checksum ----------------------------------------------------------------------------
 
 def checksum_views(views: Sequence[memoryview], chunk: int = HASH_CHUNK, release_wait_s: float = 0.0) -> int:
@@ -465,7 +575,7 @@ def _decode(buffer: Any, verify: bool) -> Batch:
     total = mv.nbytes
     if total < _PREFIX.size:
         raise _fail(f"{total} bytes is shorter than the {_PREFIX.size}-byte prefix")
-    magic, version, _flags, header_len = _PREFIX.unpack_from(mv, 0)
+    magic, version, flags, header_len = _PREFIX.unpack_from(mv, 0)
     if magic != MAGIC:
         raise _fail(f"bad magic {bytes(magic)!r}")
     if version != FORMAT_VERSION:
@@ -492,6 +602,9 @@ def _decode(buffer: Any, verify: bool) -> Batch:
 
     readonly = mv.readonly
     fields = [_field(r, data_nbytes) for r in records]
+    if verify and flags & FLAG_UNHASHED:
+        raise ChecksumMismatch("batch carries no checksum (it was built in place for a kernel-sealed segment): "
+                               "it can be read unverified only from a segment whose seals the reader checked")
     if verify:
         actual = checksum_views([data[f.offset:f.offset + f.nbytes] for f in fields], hash_chunk,
                                 HELPER_EXIT_WAIT_S)

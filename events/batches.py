@@ -32,14 +32,22 @@ import msgpack
 import redis
 from redis.exceptions import NoScriptError
 
-from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, Ragged, decode, encode
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Batch, FieldSpec, Ragged, decode, encode, layout
 from rollout_bus.events.connection import Durability, Guard, Redis, as_str, confirm_replicated
 from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing, PayloadTooLarge
 from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys, check_name
 from rollout_bus.events.payload import make_store
-from rollout_bus.events.payload.base import PayloadStore, Reference, check_owner, check_ref, make_ref
+from rollout_bus.events.payload.base import (
+    BatchDraft,
+    PayloadStore,
+    Reference,
+    check_owner,
+    check_ref,
+    make_ref,
+)
 from rollout_bus.events.payload.file import FileStore
+from rollout_bus.events.payload.memfd import MemfdStore, check_server
 from rollout_bus.events.payload.shm import DEFAULT_ROOT as SHM_ROOT
 from rollout_bus.events.payload.shm import ShmStore
 from rollout_bus.events.publish import SEQ_LUA, Publisher
@@ -162,7 +170,17 @@ class BatchChannel:
         self._leased_release: Any = None  # the release bound to a lease (``release(lease=...)``), on first use
 
     # --- producing ---------------------------------------------------------------------
-    def publish(self, policy: str, batch_id: str, tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
+    def allocate(self, policy: str, fields: Mapping[str, FieldSpec], meta: Mapping[str, Any] | None = None
+                 ) -> BatchDraft:
+        """A draft of a batch of ``fields`` (``(shape, dtype)`` or ``RaggedSpec`` each) for ``policy``: fill
+        its tensors, drop them, then ``publish(policy, batch_id, draft)``. With the memfd store the tensors
+        are built in the segment readers will map, and publishing seals it: no copy, no checksum.
+        ``PayloadTooLarge`` over the channel's maximum batch size."""
+        plan = layout(fields, meta, max_bytes=self.max_bytes)
+        return self._store_for(policy, self.keys.batch_stream(policy)).allocate(plan, dict(meta or {}))
+
+    def publish(self, policy: str, batch_id: str, tensors: Mapping[str, Any] | BatchDraft,
+                meta: Mapping[str, Any] | None = None,
                 *, rollout_id: int = 0, request_id: str = "", n_samples: int | None = None,
                 min_weight_version: int = 0, max_weight_version: int = 0, maxlen: int = 0) -> str:
         """Store the batch and append its ``BatchReady``; returns the stream entry id.
@@ -170,25 +188,43 @@ class BatchChannel:
         Idempotent by ``batch_id``: a repeat returns the first entry's id and leaves neither a
         second entry nor a second payload, even when two attempts run at once (each writes under
         its own ref; the one whose event lands first wins). ``n_samples`` defaults to the leading
-        dimension of the first field (rows, for a ragged field).
+        dimension of the first field (rows, for a ragged field). ``tensors`` may be a draft from
+        ``allocate`` (its meta was given there); publishing it uses the draft up.
         """
         ref = make_ref(policy, batch_id, os.urandom(6).hex())
         stream = self.keys.batch_stream(policy)
         dedupe = self.keys.dedupe(stream, batch_id)
-        # PayloadTooLarge before any I/O; the store hashes while it writes (see EncodedBatch.finish)
-        encoded = encode(tensors, meta, max_bytes=self.max_bytes, defer_checksum=True)
         store = self._store_for(policy, stream)
+        draft = tensors if isinstance(tensors, BatchDraft) else None
+        in_place = draft is not None and draft.store is store
+        fields = tensors.tensors if isinstance(tensors, BatchDraft) else tensors
+        if draft is not None and meta is not None:
+            raise InvalidRequest("a draft's meta is given to allocate, not to publish")
+        # PayloadTooLarge before any I/O; the store hashes while it writes (see EncodedBatch.finish)
+        encoded = None if in_place else encode(fields, draft.meta if draft is not None else meta,
+                                               max_bytes=self.max_bytes, defer_checksum=True)
+        n = _n_samples(fields) if n_samples is None else n_samples
+        del fields  # a draft sealed in place must have no view of its tensors left
         locator = msgpack.packb(store.locator(), use_bin_type=True)
         prev = self.guard.call(lambda c: self._reserve(
             keys=[dedupe, self.keys.payload_index, self.keys.payload_stores], args=[ref, locator], client=c))
         if prev:
+            if draft is not None:
+                draft.discard()
             return as_str(prev)
-        reference = store.put(ref, encoded, self.payload_ttl_s)
+        if draft is not None and in_place:
+            reference = store.seal(ref, draft, self.payload_ttl_s)
+            nbytes = draft.nbytes
+        else:
+            assert encoded is not None
+            reference = store.put(ref, encoded, self.payload_ttl_s)
+            nbytes = encoded.nbytes
+            if draft is not None:
+                draft.discard()
         event = BatchReady(producer=self.publisher.producer, policy=policy, batch_id=batch_id,
-                           rollout_id=rollout_id, request_id=request_id,
-                           n_samples=_n_samples(tensors) if n_samples is None else n_samples,
+                           rollout_id=rollout_id, request_id=request_id, n_samples=n,
                            min_weight_version=min_weight_version, max_weight_version=max_weight_version,
-                           bytes=encoded.nbytes, payload=reference)
+                           bytes=nbytes, payload=reference)
         raw = encode_event_bytes(event)
         args: list[Any] = [self.publisher.dedupe_ttl_s, self.payload_ttl_s + 3600, maxlen, ref, seq_slot(raw),
                            str(event.producer), FIELD, raw]
@@ -214,7 +250,7 @@ class BatchChannel:
         """This channel's store, unless it serves one host (shm) and a reader of ``stream`` is on another:
         then the store's fallback (``shm?fallback=redis``), or ``InvalidRequest`` saying what to change."""
         store = self.store
-        if not isinstance(store, ShmStore):
+        if not isinstance(store, ShmStore | MemfdStore):
             return store
         now = time.monotonic()
         cached = self._reader_hosts.get(stream)
@@ -234,9 +270,9 @@ class BatchChannel:
             self._stores.setdefault(store.fallback.name, store.fallback)
             return store.fallback
         raise InvalidRequest(
-            f"shm payload store on host {store.host!r}: {policy}'s batches are read on other hosts "
+            f"{store.name} payload store on host {store.host!r}: {policy}'s batches are read on other hosts "
             f"({', '.join(f'group {g} on {h!r}' for g, h in sorted(away.items()))}); shared memory serves one "
-            "host: use the redis or file store, or shm?fallback=redis to send such batches through Redis")
+            f"host: use the redis or file store, or {store.name}?fallback=redis to send such batches through Redis")
 
     def _publish_and_wait(self, c: Redis, script_keys: list[Any], args: list[Any], d: Durability) -> tuple[Any, int]:
         """The publish script and a ``WAIT`` behind it on one connection (WAIT counts what that one wrote)."""
@@ -267,7 +303,9 @@ class BatchChannel:
             raise PayloadTooLarge(f"batch {event.batch_id} of policy {event.policy} declares {event.bytes} bytes, "
                                   f"more than the maximum batch size of {self.max_bytes} bytes")
         try:
-            return decode(self.store_for(event.payload).get(event.payload), verify=verify)
+            buffer, sealed = self.store_for(event.payload).get_sealed(event.payload)
+            # a sealed segment's bytes cannot have changed since the producer sealed them: no checksum pass
+            return decode(buffer, verify=verify and not sealed)
         except PayloadMissing as exc:
             raise PayloadMissing(f"batch {event.batch_id} of policy {event.policy} "
                                  f"(rollout {event.rollout_id}): {exc}") from None
@@ -316,7 +354,7 @@ class BatchChannel:
         store = self._stores.get(kind) if isinstance(kind, str) else None
         if store is not None:
             return store
-        if kind not in ("redis", "shm"):
+        if kind not in ("redis", "shm", "memfd"):
             raise DecodeError(f"payload reference names store {kind!r}, which this channel cannot open "
                               f"(it uses {self.store.name!r}; a file store needs its directory)")
         store = self._stores[kind] = make_store(kind, self.client, self.keys)
@@ -452,6 +490,15 @@ class _Places:
         own = self.channel.store
         if kind is None:  # indexed before locations were recorded: the channel's own kind
             return own
+        if kind == "memfd":  # root: the name of the producer's segment server (its segments die with it)
+            if host != socket.gethostname():
+                return None
+            if isinstance(own, MemfdStore) and own.server_name == root:
+                return own
+            try:
+                return MemfdStore(self.channel.keys, server=check_server(root))
+            except DecodeError:
+                return None
         mine = own.locator()
         if (kind, root, host) == (mine["store"], mine["root"], mine["host"]):
             return own

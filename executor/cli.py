@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a stable name, <host>-<namespace>-executor-<index>, that a restart takes over (one per "
                         "executor of a host); default: a name of this process alone")
     p.add_argument("--queues", default="rollout,eval", help="comma-separated, in priority order: rollout, eval")
-    p.add_argument("--payload-store", default="redis", help="redis, shm, shm:/dir or file:/shared/dir")
+    p.add_argument("--payload-store", default="redis", help="redis, shm, shm:/dir, memfd or file:/shared/dir")
     g = p.add_argument_group("plug-ins (dotted paths)")
     g.add_argument("--data-source", default="rollout_bus.tasks.arithmetic.ArithmeticSource")
     g.add_argument("--data-source-args", default="{}", help="JSON object of keyword arguments")

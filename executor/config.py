@@ -35,7 +35,7 @@ class ExecutorConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     payload_store: str = "redis"
-    """Where batch payloads go (``events.payload`` spec): ``redis``, ``shm[:/dir]`` or ``file:/shared/dir``."""
+    """Where batch payloads go (``events.payload`` spec): ``redis``, ``shm[:/dir]``, ``memfd`` or ``file:/shared/dir``."""
     check_policy: bool = True
     """Fail a request at once when the registry does not know its policy (no record, no engine has it)."""
     request_bounds: RequestBounds = field(default_factory=RequestBounds)

@@ -1,7 +1,8 @@
 """Claim-check payload stores, selected by a short spec.
 
 Specs: ``redis`` (default; options ``chunk_kib``, ``window``, ``raw``), ``shm`` or
-``shm:/dir`` (options ``pool_mib``, ``reads=private|shared``, ``fallback=redis``), ``file:/shared/dir``. Options follow ``?`` as
+``shm:/dir`` (options ``pool_mib``, ``reads=private|shared``, ``fallback=redis``), ``memfd`` (sealed
+segments handed over by descriptor; option ``fallback=redis``), ``file:/shared/dir``. Options follow ``?`` as
 ``name=value`` pairs joined by ``&``, e.g. ``redis?chunk_kib=512`` or ``shm?pool_mib=4096``.
 """
 
@@ -15,17 +16,25 @@ import redis
 
 from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.names import Keys
-from rollout_bus.events.payload.base import PayloadBuffer, PayloadStore, Reference, check_ref, make_ref
+from rollout_bus.events.payload.base import (
+    BatchDraft,
+    PayloadBuffer,
+    PayloadStore,
+    Reference,
+    check_ref,
+    make_ref,
+)
 from rollout_bus.events.payload.file import FileStore
+from rollout_bus.events.payload.memfd import MemfdStore
 from rollout_bus.events.payload.redis import DEFAULT_CHUNK_BYTES, RedisStore
 from rollout_bus.events.payload.shm import DEFAULT_ROOT, ShmStore
 
-__all__ = ["FileStore", "PayloadBuffer", "PayloadStore", "RedisStore", "Reference", "ShmStore", "StoreSpec",
-           "check_ref", "make_ref", "make_store"]
+__all__ = ["BatchDraft", "FileStore", "MemfdStore", "PayloadBuffer", "PayloadStore", "RedisStore", "Reference",
+           "ShmStore", "StoreSpec", "check_ref", "make_ref", "make_store"]
 
-StoreKind = Literal["redis", "shm", "file"]
+StoreKind = Literal["redis", "shm", "memfd", "file"]
 _OPTIONS: dict[str, set[str]] = {"redis": {"chunk_kib", "window", "raw"}, "shm": {"pool_mib", "reads", "fallback"},
-                                 "file": set()}
+                                 "memfd": {"fallback"}, "file": set()}
 
 
 @dataclass(frozen=True)
@@ -39,7 +48,7 @@ class StoreSpec:
         head, _, query = text.strip().partition("?")
         kind, _, path = head.partition(":")
         if kind not in _OPTIONS:
-            raise InvalidRequest(f"payload store {kind!r} is unknown: use redis, shm, shm:/dir or file:/dir")
+            raise InvalidRequest(f"payload store {kind!r} is unknown: use redis, shm, shm:/dir, memfd or file:/dir")
         options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
         unknown = set(options) - _OPTIONS[kind]
         if unknown:
@@ -47,7 +56,9 @@ class StoreSpec:
                                  f"it takes {sorted(_OPTIONS[kind]) or 'none'}")
         if kind == "file" and not path:
             raise InvalidRequest("the file store needs a directory: file:/path/shared/by/all/hosts")
-        if kind == "redis" and path:
+        if kind in ("redis", "memfd") and path:
+            if kind == "memfd":
+                raise InvalidRequest("the memfd store takes no path: its segments live in no directory")
             raise InvalidRequest("the redis store takes no path; it uses the bus's REDIS_URL")
         return cls(cast(StoreKind, kind), path or None, options)
 
@@ -83,5 +94,14 @@ def make_store(spec: str | StoreSpec, client: redis.Redis, keys: Keys) -> Payloa
         if fallback == "redis":
             store.fallback = RedisStore(client, keys)
         return store
+    if s.kind == "memfd":
+        fallback = s.options.get("fallback")
+        if fallback not in (None, "redis"):
+            raise InvalidRequest(f"memfd option fallback={fallback!r}: the only fallback is redis "
+                                 "(for batches whose readers are on another host)")
+        memfd = MemfdStore(keys)
+        if fallback == "redis":
+            memfd.fallback = RedisStore(client, keys)
+        return memfd
     assert s.path is not None
     return FileStore(s.path, keys)

@@ -12,13 +12,17 @@ or map anything. ``write_vectored`` is the scatter-gather write loop the stores 
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import re
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Buffer, EncodedBatch
-from rollout_bus.events.errors import DecodeError, PayloadTooLarge
+from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Buffer, EncodedBatch, Layout
+from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadTooLarge
 from rollout_bus.events.names import check_name
 
 Reference = dict[str, Any]
@@ -70,6 +74,54 @@ def write_vectored(write: Callable[[list[memoryview], int], int], buffers: Seque
     return total
 
 
+class BatchDraft:
+    """A batch being built in place: fill ``tensors`` (or ``draft[name]``), then publish the draft
+    (``BatchChannel.publish(policy, batch_id, draft)``). A store that seals its segment (memfd) built
+    the tensors in it and seals it as it is, without a copy or a checksum, if no tensor of the draft
+    is referenced any more by then (``del`` them first); otherwise the draft is copied. Other stores
+    give a draft in ordinary memory, encoded and copied at publish as any batch."""
+
+    def __init__(self, layout: Layout, meta: dict[str, Any], tensors: dict[str, Any], *,
+                 store: PayloadStore | None = None, segment: tuple[int, mmap.mmap] | None = None) -> None:
+        self.layout = layout
+        self.meta = meta
+        self.tensors = tensors
+        self.store = store
+        """The store whose segment holds the tensors (None: ordinary memory)."""
+        self._segment = segment
+        self._finalizer = None if segment is None else weakref.finalize(self, _close_segment, segment)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def __getitem__(self, name: str) -> Any:
+        return self.tensors[name]
+
+    def take_segment(self) -> tuple[int, mmap.mmap]:
+        """The segment's descriptor and writable mapping, handed to the store that seals them (once)."""
+        if self._segment is None or self._finalizer is None:
+            raise InvalidRequest("this draft was published or discarded already")
+        segment, self._segment = self._segment, None
+        self._finalizer.detach()
+        self.tensors = {}
+        return segment
+
+    def discard(self) -> None:
+        """Give the draft's memory back without publishing it."""
+        self.tensors = {}
+        self._segment = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _close_segment(segment: tuple[int, mmap.mmap]) -> None:
+    fd, mm = segment
+    with contextlib.suppress(BufferError, ValueError):
+        mm.close()  # still exported to a tensor: unmapped when that tensor is freed
+    os.close(fd)
+
+
 class PayloadStore(ABC):
     """One backend for payload bytes; subclasses live one per file in this package."""
 
@@ -88,6 +140,23 @@ class PayloadStore(ABC):
     @abstractmethod
     def delete(self, reference: Reference) -> None:
         """Remove the payload; a missing payload is not an error."""
+
+    def get_sealed(self, reference: Reference) -> tuple[PayloadBuffer, bool]:
+        """The payload's bytes, and whether the kernel vouches that they cannot have changed since the
+        producer sealed them (then the reader may skip the checksum). Only a store that checks its
+        segment's seals says True."""
+        return self.get(reference), False
+
+    def allocate(self, layout: Layout, meta: dict[str, Any]) -> BatchDraft:
+        """A draft of a batch laid out as ``layout``, its tensors where this store can publish them from
+        (by default in ordinary memory)."""
+        buffer = bytearray(layout.nbytes)
+        buffer[:len(layout.head)] = layout.head
+        return BatchDraft(layout, meta, layout.tensors(buffer))
+
+    def seal(self, ref: str, draft: BatchDraft, ttl_s: int) -> Reference:
+        """Publish a draft this store allocated in place (only stores that do so implement it)."""
+        raise InvalidRequest(f"the {self.name} store builds no batch in place")
 
     def delete_expired(self, older_than_s: float) -> int:
         """Remove leftovers of this store older than ``older_than_s`` that no index knows of
