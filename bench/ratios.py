@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         import bench_handoff
 
         cfg = ["--reps", "3" if q else "15", "--warmup", "1" if q else "3", "--only",
-               "tcp,redis,shm,shm-shared,shm-unverified,memfd,ray"]
+               "tcp,redis,shm,shm-shared,shm-unverified,memfd,memfd-put,ray"]
         r, _, took = run_bench("handoff " + " ".join(cfg), lambda: bench_handoff.main(cfg), log, settle)
         rows += timed(r["rows"], took)
     if "events" not in skip:

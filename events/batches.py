@@ -499,8 +499,9 @@ class _Places:
                 return MemfdStore(self.channel.keys, server=check_server(root))
             except DecodeError:
                 return None
-        mine = own.locator()
-        if (kind, root, host) == (mine["store"], mine["root"], mine["host"]):
+        # a memfd store's locator starts its segment server: a sweeping consumer has no use for one
+        mine = own.locator() if not isinstance(own, MemfdStore) else {}
+        if mine and (kind, root, host) == (mine["store"], mine["root"], mine["host"]):
             return own
         if kind == "redis":
             return self.channel.store_for({"store": "redis"})
