@@ -1,6 +1,7 @@
 """A Hugging Face causal LM as a served model (``AutoModelForCausalLM`` + its tokenizer).
 
-Rows share one ``DynamicCache``: prompts are left-padded, positions are passed explicitly (each row
+Rows share one KV cache (``engine.hf_cache.SlackCache``: a ``DynamicCache`` that writes each step's
+slot in place instead of concatenating): prompts are left-padded, positions are passed explicitly (each row
 counts only its real tokens), and the attention mask grows by one column per step, as
 ``model.generate`` does with a batch. New rows are prefilled on their own cache and merged in
 (both caches left-padded to the longer); finished rows are dropped with ``batch_select_indices``,
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rollout_bus.engine.codec import HFCodec
+from rollout_bus.engine.hf_cache import SlackCache, reserved_bytes
 from rollout_bus.engine.prefix_cache import Layers
 from rollout_bus.engine.served import (
     IGNORED_CONFIG_KEYS,
@@ -38,8 +40,6 @@ class HFServed(ServedModel):
 
     def __init__(self, model_path: str, device: torch.device, version: str, lora: LoraLimits, *,
                  tokenizer: bool = True) -> None:
-        from transformers import DynamicCache
-
         reference = tensor_shapes(Path(model_path))  # first: only safetensors are loaded (never a pickled .bin)
         model = hf.load_model(model_path, device)
         loaded = hf.load_tokenizer(model_path) if tokenizer else None
@@ -53,7 +53,7 @@ class HFServed(ServedModel):
         self.architectures = list(config.architectures or [type(model).__name__])
         self.config_json = _read_config(Path(model_path))
         self.hf_config = config
-        self.cache_class = DynamicCache
+        self.cache_class = SlackCache
 
     def new_batch(self) -> DecodeBatch:
         return HFBatch(self)
@@ -175,7 +175,7 @@ class HFBatch(DecodeBatch):
     def nbytes(self) -> int:
         if self.cache is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        return reserved_bytes(self.cache)
 
 
 def _stack_prefixes(prefixes: Sequence[Layers | None], cached: list[int],
