@@ -7,7 +7,8 @@ counts only its real tokens), and the attention mask grows by one column per ste
 (both caches left-padded to the longer); finished rows are dropped with ``batch_select_indices``,
 and slots that became padding in every row are cut off. A row prefilled after a cached prefix (the
 prefix cache) runs only its new tokens, on a cache that starts with the prefixes. Decoder-only models with full attention
-(Llama, Qwen2, SmolLM2, ...) are what this is written for.
+(Llama, Qwen2, SmolLM2, ...) are what this is written for. On a CPU the linear layers run on
+oneDNN with packed weights (``engine.hf_packed``), repacked after every weight update.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rollout_bus.engine import hf_packed
 from rollout_bus.engine.codec import HFCodec
 from rollout_bus.engine.hf_cache import SlackCache, reserved_bytes
 from rollout_bus.engine.prefix_cache import Layers
@@ -29,10 +31,14 @@ from rollout_bus.engine.served import (
     DecodeBatch,
     LoraLimits,
     ServedModel,
+    WeightUpdate,
     prefix_lengths,
 )
 from rollout_bus.lm import hf
 from rollout_bus.lm.files import CONFIG_FILE, tensor_shapes
+
+PACK_ROWS_HINT = 16
+"""The batch oneDNN lays the packed weights out for (``engine.hf_packed``); any batch runs on them."""
 
 
 class HFServed(ServedModel):
@@ -54,6 +60,25 @@ class HFServed(ServedModel):
         self.config_json = _read_config(Path(model_path))
         self.hf_config = config
         self.cache_class = SlackCache
+        self.packed = hf_packed.available() and device.type == "cpu"
+        if self.packed:
+            hf_packed.pack_linears(model, PACK_ROWS_HINT)
+
+    # the packed copies of the linear layers' weights follow every change of the weights
+    def apply_update(self, update: WeightUpdate, *, announce: bool = True) -> None:
+        super().apply_update(update, announce=announce)
+        if self.packed:
+            hf_packed.repack(self.base, PACK_ROWS_HINT)
+
+    def release(self) -> None:
+        if self.packed:
+            hf_packed.unpack(self.base)
+        super().release()
+
+    def resume(self) -> None:
+        super().resume()
+        if self.packed:
+            hf_packed.repack(self.base, PACK_ROWS_HINT)
 
     def new_batch(self) -> DecodeBatch:
         return HFBatch(self)
