@@ -8,7 +8,8 @@ counts only its real tokens), and the attention mask grows by one column per ste
 and slots that became padding in every row are cut off. A row prefilled after a cached prefix (the
 prefix cache) runs only its new tokens, on a cache that starts with the prefixes. Decoder-only models with full attention
 (Llama, Qwen2, SmolLM2, ...) are what this is written for. On a CPU the linear layers run on
-oneDNN with packed weights (``engine.hf_packed``), repacked after every weight update.
+oneDNN with packed weights (``engine.hf_packed``), repacked after every weight update, and a decode
+step of a plain Llama without an adapter skips transformers' per-layer glue (``engine.hf_decode``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import Tensor
 from rollout_bus.engine import hf_packed
 from rollout_bus.engine.codec import HFCodec
 from rollout_bus.engine.hf_cache import SlackCache, reserved_bytes
+from rollout_bus.engine.hf_decode import LlamaDecodeStep
 from rollout_bus.engine.prefix_cache import Layers
 from rollout_bus.engine.served import (
     IGNORED_CONFIG_KEYS,
@@ -63,6 +65,8 @@ class HFServed(ServedModel):
         self.packed = hf_packed.available() and device.type == "cpu"
         if self.packed:
             hf_packed.pack_linears(model, PACK_ROWS_HINT)
+        self.decode_step = LlamaDecodeStep.build(model)
+        """A decode step without transformers' glue for rows without an adapter (None: not a plain Llama)."""
 
     # the packed copies of the linear layers' weights follow every change of the weights
     def apply_update(self, update: WeightUpdate, *, announce: bool = True) -> None:
@@ -115,12 +119,18 @@ class HFBatch(DecodeBatch):
 
     def decode(self) -> Tensor:
         device = self.served.device
-        last = torch.tensor([[s.output_ids[-1]] for s in self.rows], device=device)
+        last = torch.tensor([s.output_ids[-1] for s in self.rows], device=device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
-        out = self.served.forward(self._names(self.rows), input_ids=last, attention_mask=self.mask,
-                                  position_ids=self.positions[:, None], cache=self.cache, use_cache=True)
+        names = self._names(self.rows)
+        step = self.served.decode_step
+        if step is not None and all(n is None for n in names):
+            logits = step(last, self.positions, self.mask, self.cache)
+        else:
+            logits = self.served.forward(names, input_ids=last[:, None], attention_mask=self.mask,
+                                         position_ids=self.positions[:, None], cache=self.cache,
+                                         use_cache=True).logits[:, -1]
         self.positions = self.positions + 1
-        return out.logits[:, -1]
+        return logits
 
     def prefill(self, seqs: Sequence[Any], prefixes: Sequence[Layers | None] | None = None) -> Tensor:
         """Rows are ``[padding, cached prefix, padding, new tokens]``: the prefixes left-padded to the
