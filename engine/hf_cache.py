@@ -73,7 +73,7 @@ class SlackCache(DynamicCache):  # type: ignore[misc]
     """``DynamicCache`` made of ``SlackLayer``s (optionally filled with ``ddp_cache_data``, as ``DynamicCache``)."""
 
     def __init__(self, ddp_cache_data: Iterable[tuple[Tensor, Tensor]] | None = None) -> None:
-        layers = []
+        layers: list[Any] = []
         for keys, values in ddp_cache_data or ():
             layer = SlackLayer()
             layer.update(keys, values)
