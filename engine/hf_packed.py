@@ -3,8 +3,8 @@
 In float32 on a CPU, ``F.linear`` goes to MKL's sgemm. At decode shapes (a batch of 16 rows against
 SmolLM2-135M's weights) on this machine's AMD EPYC that ran at about half the speed of oneDNN's
 matmul on a weight packed beforehand (BENCHMARKS.md, "CPU engine near the machine's limit"), and the
-linear layers are nearly all of a decode step. So every plain ``nn.Linear`` of the base model becomes a
-``PackedLinear``: the same module (same parameters, names and ``state_dict``, still an
+linear layers are nearly all of a decode step. So every plain ``nn.Linear`` of the base model (big enough to pay
+for a packed call's overhead: ``MIN_PACKED_ELEMENTS``) becomes a ``PackedLinear``: the same module (same parameters, names and ``state_dict``, still an
 ``nn.Linear`` for peft, which wraps it as the base layer of a LoRA layer), whose forward runs on the
 packed copy when it can and on ``F.linear`` otherwise (autograd wanted, another device or dtype, or
 weights changed since the pack).
@@ -52,11 +52,18 @@ class PackedLinear(nn.Linear):
         self._packed, self._packed_from = None, 0
 
 
+MIN_PACKED_ELEMENTS = 1 << 17
+"""Smaller weights stay on ``F.linear``: a packed call costs ~15 us more, which a 64 x 64 layer never
+earns back (4.8 against 15.7 us at 16 rows); at 192 x 576 the two were even, at 576 x 576 and up the
+packed one is faster (123 against 154 us; 1536 x 576 and the 49152-row lm_head up to 2x)."""
+
+
 def pack_linears(model: nn.Module, rows_hint: int) -> int:
-    """Turn every plain ``nn.Linear`` of ``model`` into a ``PackedLinear`` and pack it; their number."""
+    """Turn every plain ``nn.Linear`` of ``model`` with at least ``MIN_PACKED_ELEMENTS`` weights into a
+    ``PackedLinear`` and pack it; their number."""
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear and module.weight.numel() >= MIN_PACKED_ELEMENTS:
             module.__class__ = PackedLinear
         if isinstance(module, PackedLinear):
             module.pack(rows_hint)
