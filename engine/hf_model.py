@@ -1,12 +1,15 @@
 """A Hugging Face causal LM as a served model (``AutoModelForCausalLM`` + its tokenizer).
 
-Rows share one ``DynamicCache``: prompts are left-padded, positions are passed explicitly (each row
+Rows share one KV cache (``engine.hf_cache.SlackCache``: a ``DynamicCache`` that writes each step's
+slot in place instead of concatenating): prompts are left-padded, positions are passed explicitly (each row
 counts only its real tokens), and the attention mask grows by one column per step, as
 ``model.generate`` does with a batch. New rows are prefilled on their own cache and merged in
 (both caches left-padded to the longer); finished rows are dropped with ``batch_select_indices``,
 and slots that became padding in every row are cut off. A row prefilled after a cached prefix (the
 prefix cache) runs only its new tokens, on a cache that starts with the prefixes. Decoder-only models with full attention
-(Llama, Qwen2, SmolLM2, ...) are what this is written for.
+(Llama, Qwen2, SmolLM2, ...) are what this is written for. On a CPU the linear layers run on
+oneDNN with packed weights (``engine.hf_packed``), repacked after every weight update, and a decode
+step of a plain Llama without an adapter skips transformers' per-layer glue (``engine.hf_decode``).
 """
 
 from __future__ import annotations
@@ -20,17 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rollout_bus.engine import hf_packed
 from rollout_bus.engine.codec import HFCodec
+from rollout_bus.engine.hf_cache import SlackCache, reserved_bytes
+from rollout_bus.engine.hf_decode import LlamaDecodeStep
 from rollout_bus.engine.prefix_cache import Layers
 from rollout_bus.engine.served import (
     IGNORED_CONFIG_KEYS,
     DecodeBatch,
     LoraLimits,
     ServedModel,
+    WeightUpdate,
     prefix_lengths,
 )
 from rollout_bus.lm import hf
 from rollout_bus.lm.files import CONFIG_FILE, tensor_shapes
+
+PACK_ROWS_HINT = 16
+"""The batch oneDNN lays the packed weights out for (``engine.hf_packed``); any batch runs on them."""
 
 
 class HFServed(ServedModel):
@@ -38,8 +48,6 @@ class HFServed(ServedModel):
 
     def __init__(self, model_path: str, device: torch.device, version: str, lora: LoraLimits, *,
                  tokenizer: bool = True) -> None:
-        from transformers import DynamicCache
-
         reference = tensor_shapes(Path(model_path))  # first: only safetensors are loaded (never a pickled .bin)
         model = hf.load_model(model_path, device)
         loaded = hf.load_tokenizer(model_path) if tokenizer else None
@@ -53,7 +61,28 @@ class HFServed(ServedModel):
         self.architectures = list(config.architectures or [type(model).__name__])
         self.config_json = _read_config(Path(model_path))
         self.hf_config = config
-        self.cache_class = DynamicCache
+        self.cache_class = SlackCache
+        self.packed = hf_packed.available() and device.type == "cpu"
+        if self.packed:
+            hf_packed.pack_linears(model, PACK_ROWS_HINT)
+        self.decode_step = LlamaDecodeStep.build(model)
+        """A decode step without transformers' glue for rows without an adapter (None: not a plain Llama)."""
+
+    # the packed copies of the linear layers' weights follow every change of the weights
+    def apply_update(self, update: WeightUpdate, *, announce: bool = True) -> None:
+        super().apply_update(update, announce=announce)
+        if self.packed:
+            hf_packed.repack(self.base, PACK_ROWS_HINT)
+
+    def release(self) -> None:
+        if self.packed:
+            hf_packed.unpack(self.base)
+        super().release()
+
+    def resume(self) -> None:
+        super().resume()
+        if self.packed:
+            hf_packed.repack(self.base, PACK_ROWS_HINT)
 
     def new_batch(self) -> DecodeBatch:
         return HFBatch(self)
@@ -90,12 +119,18 @@ class HFBatch(DecodeBatch):
 
     def decode(self) -> Tensor:
         device = self.served.device
-        last = torch.tensor([[s.output_ids[-1]] for s in self.rows], device=device)
+        last = torch.tensor([s.output_ids[-1] for s in self.rows], device=device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
-        out = self.served.forward(self._names(self.rows), input_ids=last, attention_mask=self.mask,
-                                  position_ids=self.positions[:, None], cache=self.cache, use_cache=True)
+        names = self._names(self.rows)
+        step = self.served.decode_step
+        if step is not None and all(n is None for n in names):
+            logits = step(last, self.positions, self.mask, self.cache)
+        else:
+            logits = self.served.forward(names, input_ids=last[:, None], attention_mask=self.mask,
+                                         position_ids=self.positions[:, None], cache=self.cache,
+                                         use_cache=True).logits[:, -1]
         self.positions = self.positions + 1
-        return out.logits[:, -1]
+        return logits
 
     def prefill(self, seqs: Sequence[Any], prefixes: Sequence[Layers | None] | None = None) -> Tensor:
         """Rows are ``[padding, cached prefix, padding, new tokens]``: the prefixes left-padded to the
@@ -175,7 +210,7 @@ class HFBatch(DecodeBatch):
     def nbytes(self) -> int:
         if self.cache is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        return reserved_bytes(self.cache)
 
 
 def _stack_prefixes(prefixes: Sequence[Layers | None], cached: list[int],

@@ -38,8 +38,9 @@ def sample_next(
     """Token ids and their log-probs for each row of ``logits`` (``[batch, vocab]``)."""
     logits = logits.detach().float().cpu()
     vocab = logits.shape[1]
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-    logprobs = torch.log_softmax(logits / temperature[:, None], dim=-1)
+    temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
+    scaled = logits if all(t == 1.0 for t in temperatures) else logits / torch.tensor(temperatures)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
     tokens = logits.argmax(dim=-1).tolist()
     failed: dict[int, str] = {}
     truncated = [row for row, p in enumerate(params)
