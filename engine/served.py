@@ -134,6 +134,10 @@ class ServedModel(ABC):
         self.reload_from: str | None = None
         """While the weights are released: the files ``resume`` reads them back from (None: not released)."""
         self._live = parameters_by_name(base, reference)
+        with torch.no_grad():  # every weight in storage of its own, as ``resume`` will put it back
+            for tensor in _unique(self._live.values()):
+                if tensor.numel() and tensor.data_ptr() % WEIGHT_ALIGNMENT:
+                    tensor.data = _own_copy(tensor.data, tensor.dtype, device)
         self._lock = threading.Lock()
 
     # --- what the HTTP side reads -----------------------------------------------------------
@@ -259,11 +263,7 @@ class ServedModel(ABC):
         with torch.no_grad():
             for name, tensor in self._live.items():
                 if tensor.numel() == 0:  # a tied alias is restored once, through the first name
-                    # into storage of its own: safetensors' tensors are views into one buffer, at offsets that
-                    # are not 64-byte aligned, and the matmul kernels picked for unaligned data round
-                    # differently (the same weights gave log-probs 2e-7 apart)
-                    src = state[name]
-                    tensor.data = torch.empty(src.shape, dtype=tensor.dtype, device=self.device).copy_(src)
+                    tensor.data = _own_copy(state[name], tensor.dtype, self.device)
         del state
         self.reload_from = None
         with self._lock:
@@ -353,6 +353,17 @@ def _unique(tensors: Sequence[Tensor] | Any) -> list[Tensor]:
 
 
 _LIBC: Any = None
+
+
+WEIGHT_ALIGNMENT = 64
+"""Bytes every served weight's storage is aligned to. safetensors' tensors are views into one buffer at
+offsets that are not, and the matmul kernels picked for unaligned data round differently: the same weights
+gave log-probs 2e-7 apart after a release and resume put them at other offsets."""
+
+
+def _own_copy(src: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``src`` in storage of its own (the allocator's, aligned to ``WEIGHT_ALIGNMENT``)."""
+    return torch.empty(src.shape, dtype=dtype, device=device).copy_(src)
 
 
 def release_freed_memory(device: torch.device | None = None) -> None:
