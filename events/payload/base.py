@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from rollout_bus.events.batch import DEFAULT_MAX_BYTES, Buffer, EncodedBatch, Layout
-from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadTooLarge
+from rollout_bus.events.errors import DecodeError, InvalidRequest, PayloadMissing, PayloadTooLarge
 from rollout_bus.events.names import check_name
 
 Reference = dict[str, Any]
@@ -186,6 +186,19 @@ class PayloadStore(ABC):
             raise DecodeError(f"payload reference is for store {reference.get('store')!r}, "
                               f"this is the {self.name!r} store")
         return check_ref(reference.get("ref"))
+
+    def _local_ref(self, reference: Reference, host: str, where: str) -> tuple[str, int]:
+        """The ref and size of a payload kept on ``host`` alone (``where``: what holds it there, for the message):
+        ``PayloadMissing`` from another host, ``DecodeError`` without a size, ``PayloadTooLarge`` past the bound."""
+        ref = self._ref(reference)
+        theirs, nbytes = reference.get("host"), reference.get("nbytes")
+        if theirs != host:
+            raise PayloadMissing(f"payload {ref} is in {where} on host {theirs!r}, not on {host!r}: "
+                                 f"use the redis or file store across hosts")
+        if type(nbytes) is not int or nbytes <= 0:
+            raise DecodeError(f"{self.name} payload reference {reference!r} lacks nbytes")
+        self._check_size(ref, nbytes)
+        return ref, nbytes
 
     def _check_size(self, ref: str, nbytes: int) -> None:
         """``PayloadTooLarge`` when a payload's declared size exceeds ``max_bytes`` (before any allocation)."""

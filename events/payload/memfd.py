@@ -256,14 +256,7 @@ class MemfdStore(PayloadStore):
         return self.get_sealed(reference)[0]
 
     def get_sealed(self, reference: Reference) -> tuple[PayloadBuffer, bool]:
-        ref = self._ref(reference)
-        host, nbytes = reference.get("host"), reference.get("nbytes")
-        if host != self.host:
-            raise PayloadMissing(f"payload {ref} is in a memfd on host {host!r}, not on {self.host!r}: "
-                                 f"use the redis or file store across hosts")
-        if type(nbytes) is not int or nbytes <= 0:
-            raise DecodeError(f"memfd payload reference {reference!r} lacks nbytes")
-        self._check_size(ref, nbytes)
+        ref, nbytes = self._local_ref(reference, self.host, "a memfd")
         reply, fds = self._request(check_server(reference.get("server")), f"GET {ref}".encode())
         if not fds:
             raise PayloadMissing(f"payload {ref} is gone (released, expired or never sealed)")

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from rollout_bus.events.batch import EncodedBatch
-from rollout_bus.events.errors import DecodeError, PayloadMissing
+from rollout_bus.events.errors import DecodeError
 from rollout_bus.events.names import Keys
 from rollout_bus.events.payload.base import PayloadBuffer, PayloadStore, Reference
 from rollout_bus.events.payload.file import FileStore
@@ -162,14 +162,7 @@ class ShmStore(FileStore):
 
     # --- reading -----------------------------------------------------------------------
     def get(self, reference: Reference) -> PayloadBuffer:
-        ref = self._ref(reference)
-        host, nbytes = reference.get("host"), reference.get("nbytes")
-        if host != self.host:
-            raise PayloadMissing(f"payload {ref} is in shared memory on host {host!r}, not on {self.host!r}: "
-                                 f"use the redis or file store across hosts")
-        if type(nbytes) is not int or nbytes <= 0:
-            raise DecodeError(f"shm payload reference {reference!r} lacks nbytes")
-        self._check_size(ref, nbytes)
+        ref, nbytes = self._local_ref(reference, self.host, "shared memory")
         path = self.path(ref)
         if self.reads == "shared":
             with self._lock:
