@@ -157,11 +157,13 @@ MODEL_FULL_LR = 1e-5
 """The default learning rate of a full fine-tune (``--full``)."""
 
 MODEL_TASK: dict[str, Any] = {"min_steps": 1, "max_steps": 2, "max_number": 20, "answer_format": "hashes",
-                              "format_credit": 0.2, "unformatted_credit": 0.5,
+                              "format_credit": 0.0, "unformatted_credit": 1.0,
                               "instruction": "Answer with only the final number, on one line, as '#### N'."}
 """The word-problem task of a HF-model run (``tasks.math_words.MathWordsSource`` options): one- and two-step
-problems (SmolLM2-135M answers almost none of three steps), a short answer asked for; reward 1 for the right
-number as ``#### N``, 0.5 for the right number in other words, 0.2 for a wrong one as ``#### N``."""
+problems (SmolLM2-135M answers almost none of three steps), a short answer asked for. The reward is correctness
+alone: 1 for the right number, as ``#### N`` or said otherwise, 0 else; the form is reported apart. (With 0.2 for
+a wrong number as ``#### N`` and 0.5 for a right one said otherwise, always answering in form paid more than
+answering right, and a seed's held-out accuracy fell 0.18 -> 0.07 while its form rose 0.03 -> 0.48.)"""
 
 
 AGENTS: dict[str, dict[str, Any]] = {
