@@ -12,6 +12,8 @@ import asyncio
 import hmac
 import json
 import logging
+import math
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -31,6 +33,9 @@ from rollout_bus.engine.sequence import Progress, Seq
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
+"""How long ``/health_generate`` waits for the engine to show progress (SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT``,
+read from the same environment variable)."""
+HEALTH_POLL_S = 0.25
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 FENCE_SEEN = web.AppKey("fence_seen", dict)
 MAX_FENCE_CHARS = 20
@@ -49,6 +54,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:
         logger.exception("%s %s failed", request.method, request.path)
         return web.json_response({"error": {"message": f"internal error: {exc!r}"}}, status=500)
+
+
+def health_timeout_s() -> float:
+    """``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds when set (a positive number), else ``HEALTH_TIMEOUT_S``."""
+    raw = os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return HEALTH_TIMEOUT_S
+    return value if math.isfinite(value) and value > 0 else HEALTH_TIMEOUT_S
 
 
 def guard_middleware(key: str | None) -> Any:
@@ -183,7 +198,11 @@ class Routes:
         return web.Response(status=200 if self.scheduler.alive and self.scheduler.paused is None else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """Runs one real greedy token through the scheduler; 503 when it cannot run now."""
+        """A real greedy token through the scheduler; 503 when it cannot run now.
+
+        As SGLang's: the check passes once the engine shows progress after it began, its own token or a
+        decode step of anything else that finished since. A busy engine's probe waits its turn behind the
+        running batch, and an engine decoding a long eval is not taken for a stuck one."""
         if self.scheduler.paused is not None:
             raise Unavailable(f"generation is paused (mode {self.scheduler.paused})")
         if self.scheduler.released & {"weights", "kv_cache"}:
@@ -198,12 +217,21 @@ class Routes:
             return_text_in_logprobs=False,
         )
         updates: asyncio.Queue[Progress] = asyncio.Queue()
+        timeout_s = health_timeout_s()
+        steps_before = self.scheduler.steps
         await asyncio.wrap_future(self.scheduler.submit([Seq(spec, _sink(updates))]))
-        try:
-            progress = await asyncio.wait_for(updates.get(), HEALTH_TIMEOUT_S)
-        except TimeoutError:
-            self.scheduler.abort(spec.rid, "health check timed out", exact=True)
-            raise Unavailable(f"no token generated within {HEALTH_TIMEOUT_S} s") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                progress = await asyncio.wait_for(updates.get(), max(0.0, min(HEALTH_POLL_S, deadline - time.monotonic())))
+                break
+            except TimeoutError:
+                if self.scheduler.steps > steps_before:  # a step finished after the check began
+                    self.scheduler.abort(spec.rid, "health check passed on the engine's progress", exact=True)
+                    return web.Response(status=200)
+                if time.monotonic() >= deadline:
+                    self.scheduler.abort(spec.rid, "health check timed out", exact=True)
+                    raise Unavailable(f"no token generated and no decode step finished within {timeout_s} s") from None
         if progress.finish is None or progress.finish["type"] == "abort":
             raise Unavailable(f"health generation did not finish: {progress.finish}")
         return web.Response(status=200)

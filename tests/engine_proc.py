@@ -85,7 +85,10 @@ class EngineProcess:
         host: str = "127.0.0.1",
         startup_timeout_s: float = 60.0,
         log_path: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        self.env = dict(env or {})
+        """Extra environment variables of the engine process."""
         self.model_path = str(model_path)
         self.host = host
         self.port = port or free_port()
@@ -120,7 +123,7 @@ class EngineProcess:
         """Start (or start again after ``kill``/``stop``) on the same port; return once /health is 200."""
         if self.proc is not None and self.proc.poll() is None:
             return self
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **self.env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.wait_healthy()
