@@ -52,7 +52,7 @@ from rollout_bus.lm import hf  # noqa: E402
 from rollout_bus.tasks.math_words import MathWordsSource  # noqa: E402
 from rollout_bus.trainer.config import LossSettings, OptimConfig  # noqa: E402
 from rollout_bus.trainer.hf_config import HFSettings, LoraSettings  # noqa: E402
-from rollout_bus.trainer.hf_learner import HFLearner, layout  # noqa: E402
+from rollout_bus.trainer.hf_learner import HFLearner, layout, with_lora  # noqa: E402
 
 TARGET = Target(">=", 0.5)
 
@@ -72,48 +72,42 @@ def step_batch(path: Path, groups: int, samples: int, response: int, vocab: int,
     return to_train_data(rows, rollout_id=0)
 
 
-def flops_of(model: Any, data: TrainData, micro: int) -> tuple[float, float]:
-    """(the issue's 6 x parameters x tokens, the FLOPs a LoRA step really does) for one step on ``data``.
-
-    Real work per micro-batch: every token through the body (2 forward + 2 backward FLOPs per frozen
-    body parameter; the adapter's own weights 6), the head on the kept columns only (logits_to_keep:
-    from the shortest prompt's last token to the row's end), same 2 + 2. Attention's score matmuls
-    are left out (sequences of ~150 tokens: under 2% here)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings().weight.numel()
-    adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    params = weight_bytes(base)[1] - adapter
-    body = params - head  # the tied embedding is a lookup at the input: no FLOPs there
-    lay = layout(data)
-    lengths = lay.padded.attention_mask.sum(dim=1)
-    tokens = float(lengths.sum())
-    work = 0.0
-    for i in range(0, len(data), micro):
-        part = torch.arange(i, min(i + micro, len(data)))
-        width = int(lengths[part].max())
-        start = min(int(lay.starts[part].min()), width - 2)
-        rows = len(part)
-        work += rows * width * (4 * body + 6 * adapter) + rows * (width - start) * 4 * head
-    return 6 * params * tokens, work
-
-
 def base_params(model: Any) -> int:
     """The model's own parameters (a tied embedding once), the adapter's left out."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return weight_bytes(base)[1] - sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def bare_step(model: Any, optimizer: torch.optim.Optimizer, data: TrainData, micro: int) -> None:
-    """The baseline: forward with logits_to_keep, gathered log-probs times the advantage, backward, AdamW."""
+def flops_of(learner: HFLearner, data: TrainData) -> tuple[float, float]:
+    """(the issue's 6 x parameters x tokens, the FLOPs a LoRA step really does) for one step on ``data``.
+
+    Real work per micro-batch (the learner's own, ``HFLearner._chunks``): every token through the body
+    (2 forward + 2 backward FLOPs per frozen body parameter; the adapter's own weights 6), the head on the
+    kept columns only (logits_to_keep: from the shortest prompt's last token to the row's end), same 2 + 2.
+    Attention's score matmuls are left out (sequences of ~120 tokens: under 2% here)."""
+    model = learner.model
+    head = model.get_base_model().get_output_embeddings().weight.numel()
+    adapter = sum(q.numel() for q in learner.trainable)
+    params = base_params(model)
+    body = params - head  # the tied embedding is a lookup at the input: no FLOPs there
+    lay = layout(data)
+    tokens = float(lay.padded.attention_mask.sum())
+    work = 0.0
+    for chunk in learner._chunks(lay, torch.arange(len(data))):
+        rows = len(chunk.rows)
+        work += rows * chunk.width * (4 * body + 6 * adapter) + rows * (chunk.width - chunk.start) * 4 * head
+    return 6 * params * tokens, work
+
+
+def bare_step(learner: HFLearner, model: Any, optimizer: torch.optim.Optimizer, data: TrainData) -> None:
+    """The baseline on the learner's micro-batches: forward with logits_to_keep, gathered log-probs times
+    the advantage, backward, AdamW."""
     lay = layout(data)
     batch = lay.padded
-    lengths = batch.attention_mask.sum(dim=1)
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    for i in range(0, len(data), micro):
-        part = torch.arange(i, min(i + micro, len(data)))
-        width = int(lengths[part].max())
-        start = min(int(lay.starts[part].min()), width - 2)
+    for chunk in learner._chunks(lay, torch.arange(len(data))):
+        part, width, start = chunk.rows, chunk.width, chunk.start
         ids = batch.input_ids[part, :width]
         logits = model(input_ids=ids, attention_mask=batch.attention_mask[part, :width],
                        logits_to_keep=width - start, use_cache=False).logits[:, :-1]
@@ -140,23 +134,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hf.quiet()
     r, alpha = (int(x) for x in args.lora.split(","))
 
-    def lora_model() -> Any:
-        from rollout_bus.trainer.hf_learner import with_lora
-
-        return with_lora(hf.load_model(path), LoraSettings(r=r, alpha=alpha))
-
     learner = HFLearner(hf.load_model(path), OptimConfig(lr=cfg.lr), LossSettings(),
                         HFSettings(micro_batch_size=args.micro, temperature=cfg.temperature, device="cpu",
                                    lora=LoraSettings(r=r, alpha=alpha)))
-    bare = lora_model()
+    bare = with_lora(hf.load_model(path), LoraSettings(r=r, alpha=alpha))
     bare_opt = torch.optim.AdamW([q for q in bare.parameters() if q.requires_grad], lr=cfg.lr,
-                                 fused=isinstance(learner.optimizer.defaults.get("fused"), bool)
-                                 and bool(learner.optimizer.defaults["fused"]))
+                                 fused=bool(learner.optimizer.defaults.get("fused")))
     vocab = int(learner.model.get_base_model().config.vocab_size)
     data = step_batch(path, args.groups, args.samples, args.response, vocab)
     params = base_params(learner.model)
     tokens = float(data.prompt_lengths.sum() + data.response_lengths.sum())
-    convention, work = flops_of(learner.model, data, args.micro)
+    convention, work = flops_of(learner, data)
     print(f"model {path.name}: {params / 1e6:.1f}M parameters, LoRA r={r} alpha={alpha} on every linear "
           f"({sum(q.numel() for q in learner.trainable) / 1e6:.2f}M trainable); batch {len(data)} rows "
           f"({args.groups} prompts x {args.samples}), prompts {int(data.prompt_lengths.min())}-"
@@ -166,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"FLOPs per step: the convention (6 x parameters x tokens) {convention / 1e9:.1f} G; "
           f"the work a LoRA step does {work / 1e9:.1f} G ({work / convention:.2f} of it)")
     learner.train_step(data)  # warm: allocator, oneDNN kernels
-    bare_step(bare, bare_opt, data, args.micro)
+    bare_step(learner, bare, bare_opt, data)
     rates: dict[str, list[float]] = {"learner": [], "bare": [], "limit": [], "gflops": []}
     with OutsideLoad() as outside:
         for rep in range(args.reps):
@@ -179,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     metrics = learner.train_step(data)
                     assert metrics["optimizer_steps"] == 1.0, metrics
                 else:
-                    bare_step(bare, bare_opt, data, args.micro)
+                    bare_step(learner, bare, bare_opt, data)
                 rates[side].append(tokens / (time.perf_counter() - t0))
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"matmul probe {med['gflops']:.1f} GFLOP/s -> limit {med['limit']:.0f} tokens/s (6 FLOPs/param/token)")

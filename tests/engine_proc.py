@@ -123,7 +123,7 @@ class EngineProcess:
         """Start (or start again after ``kill``/``stop``) on the same port; return once /health is 200."""
         if self.proc is not None and self.proc.poll() is None:
             return self
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **self.env)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.wait_healthy()
