@@ -29,6 +29,7 @@ from rollout_bus.engine.protocol import Limits, SamplingParams, SequenceSpec, pa
 from rollout_bus.engine.replies import generate_reply
 from rollout_bus.engine.runtime import ENGINE_VERSION, Engine
 from rollout_bus.engine.sequence import Progress, Seq
+from rollout_bus.events.settings import env_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +58,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def health_timeout_s() -> float:
-    """``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds when set (a positive number), else ``HEALTH_TIMEOUT_S``."""
-    raw = os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "")
-    try:
-        value = float(raw)
-    except ValueError:
-        return HEALTH_TIMEOUT_S
-    return value if math.isfinite(value) and value > 0 else HEALTH_TIMEOUT_S
+    """``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds when set (above 0), else ``HEALTH_TIMEOUT_S``; a bad value is an
+    ``InvalidRequest`` naming the variable (SGLang, too, fails on one)."""
+    return env_seconds("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_TIMEOUT_S)
 
 
 def guard_middleware(key: str | None) -> Any:
@@ -115,6 +112,7 @@ class Routes:
         self.engine = engine
         self.scheduler = engine.scheduler
         self.model = engine.model
+        self.health_timeout_s = health_timeout_s()  # read once: a bad value stops the engine at start
 
     def add_to(self, app: web.Application) -> None:
         post, get = web.post, web.get
@@ -217,7 +215,7 @@ class Routes:
             return_text_in_logprobs=False,
         )
         updates: asyncio.Queue[Progress] = asyncio.Queue()
-        timeout_s = health_timeout_s()
+        timeout_s = self.health_timeout_s
         steps_before = self.scheduler.steps
         await asyncio.wrap_future(self.scheduler.submit([Seq(spec, _sink(updates))]))
         deadline = time.monotonic() + timeout_s

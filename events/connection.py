@@ -36,6 +36,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from rollout_bus.events.errors import BusUnavailable, InvalidRequest, RedisCommandError, ReplicationTimeout
+from rollout_bus.events.settings import env_int, env_seconds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -371,27 +372,10 @@ def durability(client: Any) -> Durability:
     """From ``ROLLOUT_BUS_WAIT_REPLICAS`` / ``ROLLOUT_BUS_WAIT_TIMEOUT_MS`` / ``ROLLOUT_BUS_WAIT_ATTEMPTS`` /
     ``ROLLOUT_BUS_WAIT_DEGRADED_S`` (default 300, 0: fail at once); the replicas default to 1 for a Sentinel
     client (a replica is configured) and 0 otherwise."""
-    def env_int(name: str, default: int, low: int) -> int:
-        raw = os.environ.get(name)
-        if not raw:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise InvalidRequest(f"{name} must be a whole number, got {raw!r}") from None
-        if value < low:
-            raise InvalidRequest(f"{name} must be >= {low}, got {value}")
-        return value
-    raw_wait = os.environ.get("ROLLOUT_BUS_WAIT_DEGRADED_S")
-    try:
-        wait_s = float(raw_wait) if raw_wait else DEFAULT_DEGRADED_S
-    except ValueError:
-        raise InvalidRequest(f"ROLLOUT_BUS_WAIT_DEGRADED_S must be a number of seconds, got {raw_wait!r}") from None
-    if not wait_s >= 0:
-        raise InvalidRequest(f"ROLLOUT_BUS_WAIT_DEGRADED_S must be >= 0, got {raw_wait!r}")
-    return Durability(env_int("ROLLOUT_BUS_WAIT_REPLICAS", 1 if is_sentinel_client(client) else 0, 0),
-                      env_int("ROLLOUT_BUS_WAIT_TIMEOUT_MS", 2000, 1), env_int("ROLLOUT_BUS_WAIT_ATTEMPTS", 3, 1),
-                      wait_s)
+    wait_s = env_seconds("ROLLOUT_BUS_WAIT_DEGRADED_S", DEFAULT_DEGRADED_S, zero=True)
+    return Durability(env_int("ROLLOUT_BUS_WAIT_REPLICAS", 1 if is_sentinel_client(client) else 0, minimum=0),
+                      env_int("ROLLOUT_BUS_WAIT_TIMEOUT_MS", 2000, minimum=1),
+                      env_int("ROLLOUT_BUS_WAIT_ATTEMPTS", 3, minimum=1), wait_s)
 
 
 DEFAULT_DEGRADED_S = 300.0

@@ -30,6 +30,7 @@ import redis
 from rollout_bus.events.connection import Guard, ReconnectPolicy, as_str
 from rollout_bus.events.errors import BusError, BusReset
 from rollout_bus.events.names import Keys
+from rollout_bus.events.settings import env_seconds
 
 log = logging.getLogger(__name__)
 EXIT_BUS_RESET = BusReset.exit_code
@@ -38,12 +39,8 @@ DEFAULT_CHECK_S = 2.0
 
 
 def check_interval_s() -> float:
-    raw = os.environ.get("ROLLOUT_BUS_EPOCH_CHECK_S")
-    try:
-        value = float(raw) if raw else DEFAULT_CHECK_S
-    except ValueError:
-        value = DEFAULT_CHECK_S
-    return value if value > 0 else DEFAULT_CHECK_S
+    """``ROLLOUT_BUS_EPOCH_CHECK_S`` (seconds between a role's epoch checks, above 0), else ``DEFAULT_CHECK_S``."""
+    return env_seconds("ROLLOUT_BUS_EPOCH_CHECK_S", DEFAULT_CHECK_S)
 
 
 class BusEpoch:

@@ -33,6 +33,7 @@ from rollout_bus.events.connection import (
 from rollout_bus.events.leased import LeaseFence, guarded, leased
 from rollout_bus.events.names import Keys
 from rollout_bus.events.schema import FIELD, Event, Producer, encode_bytes, seq_slot
+from rollout_bus.events.settings import env_int
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +104,9 @@ RETRY_DEDUPE_TTL_S = 600
 
 
 def dedupe_ttl_from_env() -> int:
-    """``ROLLOUT_BUS_DEDUPE_TTL_S`` (seconds a business-key dedupe key lives), else 7 days."""
-    raw = os.environ.get("ROLLOUT_BUS_DEDUPE_TTL_S")
-    if not raw:
-        return DEFAULT_DEDUPE_TTL_S
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"ROLLOUT_BUS_DEDUPE_TTL_S must be a whole number of seconds, got {raw!r}") from None
-    if value < RETRY_DEDUPE_TTL_S:
-        raise ValueError(f"ROLLOUT_BUS_DEDUPE_TTL_S must be at least {RETRY_DEDUPE_TTL_S}, got {value}")
-    return value
+    """``ROLLOUT_BUS_DEDUPE_TTL_S`` (seconds a business-key dedupe key lives, at least ``RETRY_DEDUPE_TTL_S``),
+    else 7 days."""
+    return env_int("ROLLOUT_BUS_DEDUPE_TTL_S", DEFAULT_DEDUPE_TTL_S, minimum=RETRY_DEDUPE_TTL_S)
 
 
 class Publisher:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
+from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import RETRY_DEDUPE_TTL_S, Publisher
 from rollout_bus.events.schema import EngineReady, Producer, decode
@@ -143,5 +144,5 @@ def test_a_dedupe_key_of_an_event_id_lives_minutes_and_one_of_a_business_key_as_
     assert 0 < fake_client.ttl(keys.dedupe(keys.engine_stream, event.event_id)) <= RETRY_DEDUPE_TTL_S
     assert RETRY_DEDUPE_TTL_S < fake_client.ttl(keys.dedupe(keys.engine_stream, "request-7")) <= 3600
     monkeypatch.setenv("ROLLOUT_BUS_DEDUPE_TTL_S", "5")
-    with pytest.raises(ValueError, match="at least 600"):
+    with pytest.raises(InvalidRequest, match="ROLLOUT_BUS_DEDUPE_TTL_S must be a whole number >= 600, got '5'"):
         Publisher(fake_client, keys, PRODUCER)
