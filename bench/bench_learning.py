@@ -99,6 +99,22 @@ def read_curve(out: Path, mode: str, seed: int, wall_s: float) -> Curve:
     return curve
 
 
+def save_curves(curves: list[Curve], path: Path) -> None:
+    path.write_text(json.dumps([{"mode": c.mode, "seed": c.seed, "wall_s": c.wall_s, "train_s": c.train_s,
+                                 "samples": c.samples, "points": [vars(p) for p in c.points]}
+                                for c in curves], indent=1))
+
+
+def load_curves(path: Path) -> list[Curve]:
+    """Curves written by ``--json``."""
+    out = []
+    for d in json.loads(path.read_text()):
+        c = Curve(str(d["mode"]), int(d["seed"]), float(d["wall_s"]), float(d["train_s"]),
+                  [Point(**p) for p in d["points"]], int(d["samples"]))
+        out.append(c)
+    return out
+
+
 def med_range(values: list[float], fmt: str = "{:.3f}") -> str:
     if not values:
         return "-"
@@ -143,7 +159,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--n-groups", type=int, default=None)
     p.add_argument("--n-samples", type=int, default=None)
     p.add_argument("--png", type=Path, default=None, help="draw accuracy against time here")
-    p.add_argument("--json", type=Path, default=None, help="write every curve here")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write every curve here (rewritten after each run, so a stopped bench keeps its runs)")
+    p.add_argument("--with", dest="with_json", type=Path, action="append", default=[],
+                   help="add the curves of an earlier --json file (other seeds) to the summary and the plot")
     ns = p.parse_args(argv)
     modes = ns.modes.split(",")
     if "sync" not in modes:
@@ -161,6 +180,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{ns.model or 'tiny LM'}; {os.cpu_count()} CPUs, load average {load_before[0]:.2f} "
           f"{load_before[1]:.2f} {load_before[2]:.2f} before", flush=True)
     curves: list[Curve] = []
+    for earlier in ns.with_json:
+        for c in load_curves(earlier):
+            if c.seed in seeds:
+                raise SystemExit(f"--with {earlier}: seed {c.seed} is also run now; give each seed once")
+            curves.append(c)
     server = private_redis()
     try:
         with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
@@ -179,11 +203,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     print(f"  seed {seed} {mode:>8}: train {curve.train_s:.1f} s, run {curve.wall_s:.1f} s, "
                           f"{curve.samples} samples; accuracy step:acc@time {pts}; load average "
                           f"{os.getloadavg()[0]:.2f}", flush=True)
+                    if ns.json is not None:
+                        save_curves([c for c in curves if c.seed in seeds], ns.json)
     finally:
         server.stop()
     sync_final = {c.seed: c.final for c in curves if c.mode == "sync"}
+    all_seeds = sorted({c.seed for c in curves})
     print()
-    print(f"medians over {len(seeds)} seeds (min-max); time from the end of the eval before training")
+    print(f"medians over {len(all_seeds)} seeds (min-max); time from the end of the eval before training")
     print(f"{'mode':>8}  {'train s':>22}  {'final accuracy':>22}  {'s to sync final acc':>22}  {'reached':>7}  "
           f"{'x sync time':>18}")
     summary: dict[str, Any] = {"load_before": load_before[0]}
@@ -201,13 +228,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_after = os.getloadavg()
     print(f"load average {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} after")
     if ns.png is not None:
-        draw(curves, ns.png, f"{ns.model or 'tiny LM'}: {steps} steps x equal samples, seeds {ns.seeds}; "
+        seed_list = ",".join(map(str, all_seeds))
+        draw(curves, ns.png, f"{ns.model or 'tiny LM'}: {steps} steps x equal samples, seeds {seed_list}; "
                              f"load {load_before[0]:.2f} before")
         print(f"plot: {ns.png}")
-    if ns.json is not None:
-        ns.json.write_text(json.dumps([{"mode": c.mode, "seed": c.seed, "wall_s": c.wall_s, "train_s": c.train_s,
-                                        "samples": c.samples, "points": [vars(p) for p in c.points]}
-                                       for c in curves], indent=1))
     return summary
 
 

@@ -45,3 +45,18 @@ def test_a_run_without_its_eval_before_training_is_an_error(tmp_path: Path) -> N
               [{"step": 1, "time": 1.0, "metrics": {}}])
     with pytest.raises(RuntimeError, match="no eval before training"):
         read_curve(tmp_path, "async", 1, wall_s=1.0)
+
+
+def test_curves_written_by_json_come_back_whole_and_a_seed_is_not_given_twice(tmp_path: Path) -> None:
+    from bench_learning import Curve, Point, load_curves, main, save_curves
+
+    curves = [Curve("sync", 3, 10.0, 8.0, [Point(0, 0.0, 0.2, 0.1, 0.3), Point(4, 8.0, 0.5, 0.4, 0.6)], 64),
+              Curve("async", 3, 9.0, 7.0, [Point(0, 0.0, 0.2, 0.1, 0.3)], 60)]
+    path = tmp_path / "curves.json"
+    save_curves(curves, path)
+    back = load_curves(path)
+    assert [(c.mode, c.seed, c.wall_s, c.train_s, c.samples, c.points) for c in back] == \
+        [(c.mode, c.seed, c.wall_s, c.train_s, c.samples, c.points) for c in curves]
+    assert back[0].time_to(0.5) == 8.0
+    with pytest.raises(SystemExit, match="seed 3 is also run now"):
+        main(["--seeds", "3", "--with", str(path)])
