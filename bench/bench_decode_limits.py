@@ -72,6 +72,22 @@ def matmul_gflops(n: int = 2048) -> float:
     return 2 * n**3 / median_time(lambda: a @ b, 5) / 1e9
 
 
+def profile_engine(engine: Engine, batch: list[list[int]], tokens: int, rows: int) -> None:
+    """One engine run of ``batch`` under ``torch.profiler`` (CPU, every thread): its wall time and the top
+    ``rows`` operators by self CPU time, with their input shapes."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    every_thread = _ExperimentalConfig(profile_all_threads=True)  # the engine steps on its scheduler's thread
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, experimental_config=every_thread) as prof:
+        took = engine_run(engine, batch, tokens, "profile")
+    steps = tokens  # the prefill and tokens - 1 decode steps
+    print(f"profile: batch {len(batch)}, {tokens} tokens a row in {took * 1000:.0f} ms under the profiler "
+          f"({took * 1000 / steps:.1f} ms a step)")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows,
+                                                             max_name_column_width=40, max_shapes_column_width=60))
+
+
 def weight_bytes(model: Any) -> tuple[int, int]:
     """Bytes and count of the distinct parameters (a tied embedding once)."""
     seen = {p.data_ptr(): p for p in model.parameters()}
@@ -108,7 +124,11 @@ class LlamaCpp:
         self._quiet = lib.llama_log_callback(lambda level, text, data: None)  # referenced: C keeps the pointer
         lib.llama_log_set(self._quiet, None)
         lib.llama_backend_init()
-        self.model = lib.llama_model_load_from_file(str(gguf).encode(), lib.llama_model_default_params())
+        model_params = lib.llama_model_default_params()
+        # no "extra" buffer types: with them llama.cpp repacks the weights for AMX when the CPU flags list it,
+        # and on this VM the first llama_decode then dies with SIGSEGV (the tiles are listed, not usable)
+        model_params.use_extra_bufts = False
+        self.model = lib.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama_model_load_from_file failed on {gguf}")
         params = lib.llama_context_default_params()
@@ -181,6 +201,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=2, help="torch threads for every side (and llama.cpp's)")
     p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp anchor (default: the model's own)")
     p.add_argument("--no-generate", action="store_true", help="leave model.generate out")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="after the measurements, one engine run at the largest batch under torch.profiler: the "
+                        "top ROWS operators by self CPU time (all threads, the scheduler's included)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = model_dir(args.model)
@@ -224,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         assert anchor is not None
                         took = anchor.run(batch, args.tokens)
                     rates[batch_size][side].append(batch_size * args.tokens / took)
+    if args.profile:
+        profile_engine(engine, prompts(batch_max, seed=batch_max), args.tokens, args.profile)
     engine.stop()
     print("probes (median): " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in probes.items())
           + f"; STREAM copy (read + written) {2 * statistics.median(probes['copy GB/s (512 MB copied / s)']):.1f} GB/s")

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="smollm2 or a HF directory (default: the tiny LM)")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seeds", default="0,1,2", help="seeds to run (empty: none, only the --with curves)")
     p.add_argument("--steps", type=int, default=None, help="default: the main job's (40 tiny, 12 with --model)")
     p.add_argument("--eval-every", type=int, default=None, help="default: steps / 4")
     p.add_argument("--eval-groups", type=int, default=None, help="held-out problems per eval (default: the job's)")
@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     modes = ns.modes.split(",")
     if "sync" not in modes:
         raise SystemExit("--modes must include sync (the baseline each mode is timed against)")
-    seeds = [int(s) for s in ns.seeds.split(",")]
+    seeds = [int(s) for s in ns.seeds.split(",") if s.strip()]  # none: only summarise the --with curves
+    if not seeds and not ns.with_json:
+        raise SystemExit("--seeds is empty and no --with file gives curves: nothing to run or summarise")
     # the main job's settings (``rollout-bus run``'s, with ``--model`` its HF-model defaults), the same for every mode
     settings: dict[str, Any] = dict(MODEL_DEFAULTS) if ns.model else {}
     for name in ("steps", "eval_groups", "n_groups", "n_samples"):
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if c.seed in seeds:
                 raise SystemExit(f"--with {earlier}: seed {c.seed} is also run now; give each seed once")
             curves.append(c)
-    server = private_redis()
+    server = private_redis() if seeds else None
     try:
         with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
             for i, seed in enumerate(seeds):
@@ -206,7 +208,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     if ns.json is not None:
                         save_curves([c for c in curves if c.seed in seeds], ns.json)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     sync_final = {c.seed: c.final for c in curves if c.mode == "sync"}
     all_seeds = sorted({c.seed for c in curves})
     print()
@@ -229,8 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"load average {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} after")
     if ns.png is not None:
         seed_list = ",".join(map(str, all_seeds))
-        draw(curves, ns.png, f"{ns.model or 'tiny LM'}: {steps} steps x equal samples, seeds {seed_list}; "
-                             f"load {load_before[0]:.2f} before")
+        when = f"load {load_before[0]:.2f} before" if seeds else "curves of earlier runs"
+        draw(curves, ns.png, f"{ns.model or 'tiny LM'}: {steps} steps x equal samples, seeds {seed_list}; {when}")
         print(f"plot: {ns.png}")
     return summary
 
