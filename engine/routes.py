@@ -12,8 +12,6 @@ import asyncio
 import hmac
 import json
 import logging
-import math
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable

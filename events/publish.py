@@ -11,7 +11,6 @@ training step at the default).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
