@@ -18,13 +18,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from aiohttp import web
 
     from rollout_bus.engine.errors import EngineError
-    from rollout_bus.engine.routes import build_app
+    from rollout_bus.engine.routes import build_app, health_timeout_s
     from rollout_bus.engine.runtime import Engine
+    from rollout_bus.events.errors import InvalidRequest
     from rollout_bus.lm.files import WeightsError
 
     try:
+        health_timeout_s()  # a bad SGLANG_HEALTH_CHECK_TIMEOUT stops the engine here, before the weights load
         engine = Engine(args)
-    except (EngineError, WeightsError, OSError, ValueError) as exc:
+    except (EngineError, WeightsError, OSError, ValueError, InvalidRequest) as exc:
         logging.getLogger("rollout_bus.engine.server").error("cannot start: %s", exc)
         return 2
     web.run_app(

@@ -370,9 +370,9 @@ def _say(status: StatusHook | None, state: dict[str, Any] | None) -> None:
 
 def durability(client: Any) -> Durability:
     """From ``ROLLOUT_BUS_WAIT_REPLICAS`` / ``ROLLOUT_BUS_WAIT_TIMEOUT_MS`` / ``ROLLOUT_BUS_WAIT_ATTEMPTS`` /
-    ``ROLLOUT_BUS_WAIT_DEGRADED_S`` (default 300, 0: fail at once); the replicas default to 1 for a Sentinel
-    client (a replica is configured) and 0 otherwise."""
-    wait_s = env_seconds("ROLLOUT_BUS_WAIT_DEGRADED_S", DEFAULT_DEGRADED_S, zero=True)
+    ``ROLLOUT_BUS_WAIT_DEGRADED_S`` (default 300, 0: fail at once, inf: wait as long as it takes); the replicas
+    default to 1 for a Sentinel client (a replica is configured) and 0 otherwise."""
+    wait_s = env_seconds("ROLLOUT_BUS_WAIT_DEGRADED_S", DEFAULT_DEGRADED_S, zero=True, forever=True)
     return Durability(env_int("ROLLOUT_BUS_WAIT_REPLICAS", 1 if is_sentinel_client(client) else 0, minimum=0),
                       env_int("ROLLOUT_BUS_WAIT_TIMEOUT_MS", 2000, minimum=1),
                       env_int("ROLLOUT_BUS_WAIT_ATTEMPTS", 3, minimum=1), wait_s)

@@ -27,17 +27,18 @@ def env_int(name: str, default: int, *, minimum: int) -> int:
     return value
 
 
-def env_seconds(name: str, default: float, *, zero: bool = False) -> float:
-    """``name`` as a finite number of seconds, above 0 (or also 0 with ``zero``); ``default`` when unset or
-    empty."""
+def env_seconds(name: str, default: float, *, zero: bool = False, forever: bool = False) -> float:
+    """``name`` as a finite number of seconds, above 0 (or also 0 with ``zero``; ``inf`` too with ``forever``);
+    ``default`` when unset or empty."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    bound = ">= 0" if zero else "> 0"
+    bound = (">= 0" if zero else "> 0") + (", or inf" if forever else "")
     try:
         value = float(raw)
     except ValueError:
         raise InvalidRequest(f"{name} must be a number of seconds {bound}, got {raw!r}") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-        raise InvalidRequest(f"{name} must be a finite number of seconds {bound}, got {raw!r}")
+    if math.isnan(value) or value < 0 or (value == 0 and not zero) or (math.isinf(value) and not forever):
+        raise InvalidRequest(f"{name} must be a{'' if forever else ' finite'} number of seconds {bound}, "
+                             f"got {raw!r}")
     return value

@@ -111,11 +111,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(ns)
 
     from rollout_bus.events.connection import connect
-    from rollout_bus.events.epoch import stop_on_bus_reset
+    from rollout_bus.events.epoch import check_interval_s, stop_on_bus_reset
+    from rollout_bus.events.errors import InvalidRequest
     from rollout_bus.events.names import Keys
     from rollout_bus.executor.errors import PluginError
     from rollout_bus.executor.service import ExecutorService
 
+    try:
+        check_interval_s()  # read again by the epoch watch below: a bad value stops the executor before it starts
+    except InvalidRequest as exc:
+        logging.getLogger("executor").error("cannot start: %s", exc)
+        return 2
     service = ExecutorService(config)
     try:
         service.start()

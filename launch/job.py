@@ -51,14 +51,21 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     runs it on another host or in a network namespace (see ``launch.procs.ProcessSet.place``)."""
     from rollout_bus.events.connection import connect, redis_url
     from rollout_bus.events.embedded import private_redis
-    from rollout_bus.events.epoch import create_epoch
+    from rollout_bus.events.epoch import check_interval_s, create_epoch
+    from rollout_bus.events.errors import InvalidRequest
     from rollout_bus.events.names import Keys
+    from rollout_bus.events.publish import dedupe_ttl_from_env
     from rollout_bus.launch.procs import ProcessSet, RestartPolicy, signals_deferred
     from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards, run_faults
     from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
     from rollout_bus.trainer.config import parse_log_to
     from rollout_bus.trainer.metric_loggers import output_paths
 
+    try:  # settings every role reads from the environment it inherits: a bad one fails the run before it starts
+        check_interval_s()
+        dedupe_ttl_from_env()
+    except InvalidRequest as exc:
+        raise RunFailed(f"bad environment: {exc}") from None
     started = time.monotonic()
     out = Path(config.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
