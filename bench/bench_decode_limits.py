@@ -83,7 +83,7 @@ def profile_engine(engine: Engine, batch: list[list[int]], tokens: int, rows: in
         took = engine_run(engine, batch, tokens, "profile")
     steps = tokens  # the prefill and tokens - 1 decode steps
     print(f"profile: batch {len(batch)}, {tokens} tokens a row in {took * 1000:.0f} ms under the profiler "
-          f"({took * 1000 / steps:.1f} ms a step)")
+          f"({took * 1000 / steps:.1f} ms a step, the prefill averaged in)")
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows,
                                                              max_name_column_width=40, max_shapes_column_width=60))
 
@@ -117,7 +117,7 @@ class LlamaCpp:
     """Batched greedy decoding with llama.cpp (``llama-cpp-python``'s low-level API): one sequence id per row,
     one unified KV cache."""
 
-    def __init__(self, gguf: Path, threads: int, max_batch: int, context: int) -> None:
+    def __init__(self, gguf: Path, threads: int, max_batch: int, context: int, repack: bool = False) -> None:
         import llama_cpp
 
         self.lib = lib = llama_cpp
@@ -125,9 +125,10 @@ class LlamaCpp:
         lib.llama_log_set(self._quiet, None)
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
-        # no "extra" buffer types: with them llama.cpp repacks the weights for AMX when the CPU flags list it,
-        # and on this VM the first llama_decode then dies with SIGSEGV (the tiles are listed, not usable)
-        model_params.use_extra_bufts = False
+        # no "extra" buffer types unless asked (--llama-repack): with them llama.cpp repacks the weights for AMX
+        # when the CPU flags list it, and on this VM the first llama_decode then dies with SIGSEGV (the tiles
+        # are listed, not usable); they also hold llama.cpp's other CPU repacks, which a healthy host may want
+        model_params.use_extra_bufts = repack
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama_model_load_from_file failed on {gguf}")
@@ -179,7 +180,8 @@ class LlamaCpp:
         return time.perf_counter() - started
 
 
-def llama_cpp_anchor(gguf: Path | None, threads: int, max_batch: int, context: int) -> tuple[LlamaCpp | None, str]:
+def llama_cpp_anchor(gguf: Path | None, threads: int, max_batch: int, context: int,
+                     repack: bool = False) -> tuple[LlamaCpp | None, str]:
     if gguf is None or not gguf.is_file():
         return None, f"no GGUF file ({gguf})"
     try:
@@ -187,7 +189,8 @@ def llama_cpp_anchor(gguf: Path | None, threads: int, max_batch: int, context: i
     except ImportError as exc:
         return None, f"llama-cpp-python is not installed ({exc}); pip install -e '.[bench]'"
     try:
-        return LlamaCpp(gguf, threads, max_batch, context), f"{gguf.name}"
+        return (LlamaCpp(gguf, threads, max_batch, context, repack),
+                f"{gguf.name}{', repacked' if repack else ', without extra buffer types (no repacking)'}")
     except Exception as exc:  # whatever llama.cpp says, the bench goes on without the anchor
         return None, f"llama.cpp could not load {gguf.name}: {exc}"
 
@@ -201,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=2, help="torch threads for every side (and llama.cpp's)")
     p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp anchor (default: the model's own)")
     p.add_argument("--no-generate", action="store_true", help="leave model.generate out")
+    p.add_argument("--llama-repack", action="store_true",
+                   help="let llama.cpp repack the weights for its extra CPU buffer types (AMX and others; off: "
+                        "they crash this VM)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="after the measurements, one engine run at the largest batch under torch.profiler: the "
                         "top ROWS operators by self CPU time (all threads, the scheduler's included)")
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 "--torch-threads", str(args.threads)]))
     engine.start()
     gguf = Path(args.gguf) if args.gguf else default_gguf(args.model)
-    anchor, anchor_note = llama_cpp_anchor(gguf, args.threads, batch_max, 32 + args.tokens)
+    anchor, anchor_note = llama_cpp_anchor(gguf, args.threads, batch_max, 32 + args.tokens, args.llama_repack)
     print(f"model {path.name}: {params / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB of float32 weights; "
           f"{args.tokens} new tokens per row, greedy, prefill included; torch threads {torch.get_num_threads()} "
           f"(engine --torch-threads {args.threads}); {args.reps} reps; {os.cpu_count()} CPUs; load average "

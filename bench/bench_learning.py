@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--n-samples", type=int, default=None)
     p.add_argument("--png", type=Path, default=None, help="draw accuracy against time here")
     p.add_argument("--json", type=Path, default=None,
-                   help="write every curve here (rewritten after each run, so a stopped bench keeps its runs)")
+                   help="write every curve here, the --with ones too (rewritten after each run, so a stopped "
+                        "bench keeps its runs)")
     p.add_argument("--with", dest="with_json", type=Path, action="append", default=[],
                    help="add the curves of an earlier --json file (other seeds) to the summary and the plot")
     ns = p.parse_args(argv)
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for c in load_curves(earlier):
             if c.seed in seeds:
                 raise SystemExit(f"--with {earlier}: seed {c.seed} is also run now; give each seed once")
+            if any((c.mode, c.seed) == (d.mode, d.seed) for d in curves):
+                raise SystemExit(f"--with {earlier}: {c.mode} seed {c.seed} is in an earlier --with file too")
             curves.append(c)
     server = private_redis() if seeds else None
     try:
@@ -206,11 +209,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           f"{curve.samples} samples; accuracy step:acc@time {pts}; load average "
                           f"{os.getloadavg()[0]:.2f}", flush=True)
                     if ns.json is not None:
-                        save_curves([c for c in curves if c.seed in seeds], ns.json)
+                        save_curves(curves, ns.json)
     finally:
         if server is not None:
             server.stop()
+    if ns.json is not None:
+        save_curves(curves, ns.json)  # every curve, the --with ones too
     sync_final = {c.seed: c.final for c in curves if c.mode == "sync"}
+    unpaired = sorted({c.seed for c in curves} - set(sync_final))
+    if unpaired:  # e.g. a stopped bench's file: no sync run to time the other modes against
+        print(f"seeds without a sync run, left out of the comparison: {unpaired}")
+        curves = [c for c in curves if c.seed in sync_final]
     all_seeds = sorted({c.seed for c in curves})
     print()
     print(f"medians over {len(all_seeds)} seeds (min-max); time from the end of the eval before training")

@@ -12,8 +12,9 @@ each event's latency (receive time minus the scheduled send time, as the bench d
 - ``noclaim``: the consumer's idle-entry claim (XAUTOCLAIM every second) off.
 
 Printed per run: the publish call's p50 / p90 / p99 / max, how many publishes finished more than 2 ms
-after their slot, the events that arrived more than 2 ms late and in how many stalls (a gap of 20 ms
-starts a new one), the consumer's p50 / p99 and the slow commands Redis logged.
+after their slot, the events that arrived more than 2 ms late, in how many stalls (a gap of 20 ms
+starts a new one) and how many of those were published late themselves (matched by their slot), the
+consumer's p50 / p99 and the slow commands Redis logged.
 
     python bench/profile_event_tail.py [--rate 6900] [--n 10000] [--reps 2] [--variants plain,nogc,noclaim,twin]
 """
@@ -82,14 +83,15 @@ def publisher(job: be.Job, variant: str, ready: Any, go: Any, out: Any) -> None:
 def consumer(job: be.Job, variant: str, ready: Any, go: Any, out: Any) -> None:
     if variant == "nogc":
         gc.disable()
-    lat: list[tuple[int, int]] = []  # (receive time, latency) in ns
+    lat: list[tuple[int, int]] = []  # (receive time, latency) in ns; the event's slot is their difference
     if variant == "twin":
         _client, conn = be.kept_connection(job.url)
         read = pack_command(("XREADGROUP", "GROUP", be.GROUP, "c0", "COUNT", job.count, "BLOCK", 1000,
                              "STREAMS", job.stream, ">"))
         acks: list[bytes] = []
         ready.set()
-        while len(lat) < job.n:
+        deadline = time.monotonic() + be.TIMEOUT_S
+        while len(lat) < job.n and time.monotonic() < deadline:
             conn.send_packed_command([pack_command(("XACK", job.stream, be.GROUP, *acks)) + read] if acks else [read])
             if acks:
                 conn.read_response()
@@ -115,7 +117,10 @@ def consumer(job: be.Job, variant: str, ready: Any, go: Any, out: Any) -> None:
         if len(lat) >= job.n:
             stop.set()
     ready.set()
+    timer = threading.Timer(be.TIMEOUT_S, stop.set)  # a lost event ends the run instead of hanging it
+    timer.start()
     cons.run(handle, stop)
+    timer.cancel()
     out.put(("sub", lat))
 
 
@@ -147,22 +152,27 @@ def run(server: RedisServer, variant: str, rate: float, n: int, tag: str) -> dic
             raise RuntimeError("bench processes did not start")
         go.set()
         got = dict(out.get(timeout=be.TIMEOUT_S + 10) for _ in range(2))
+        slow = [(int(e["duration"]), bytes(e["command"])[:24]) for e in client.slowlog_get(128)]
+        client.flushdb()
     finally:
+        client.close()
         for proc in procs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()  # our own child, by its handle
                 proc.join()
-    slow = [(int(e["duration"]), bytes(e["command"])[:24]) for e in client.slowlog_get(128)]
-    client.flushdb()
-    client.close()
     calls, lat = got["pub"], got["sub"]
+    if len(lat) != n:
+        raise RuntimeError(f"{variant}: the consumer got {len(lat)} of {n} events")
     t0 = calls[0][0]
     durations = sorted(d for _, _, d in calls)
     q = statistics.quantiles([x for _, x in lat], n=100)
+    published_late = {slot for slot, late, _ in calls if late > LATE_NS}
+    late = [(at - x, at) for at, x in lat if x > LATE_NS]  # (slot, receive time) of every event > 2 ms late
     return {"call": [durations[len(durations) * k // 100] / 1e3 for k in (50, 90, 99)] + [durations[-1] / 1e3],
-            "late_pubs": sum(1 for _, late, _ in calls if late > LATE_NS),
-            "late_events": stalls([(at - t0) / 1e9 for at, x in lat if x > LATE_NS]),
+            "late_pubs": len(published_late),
+            "late_events": stalls([(at - t0) / 1e9 for _, at in late]),
+            "late_at_publish": sum(1 for slot, _ in late if slot in published_late),
             "p50_ms": q[49] / 1e6, "p99_ms": q[98] / 1e6, "slowlog": slow}
 
 
@@ -185,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                 late = r["late_events"]
                 print(f"{variant:>8}: publish call p50 {p50:4.0f} us p90 {p90:4.0f} p99 {p99:5.0f} max {top / 1e3:5.1f} ms; "
                       f"{r['late_pubs']:5d} publishes > 2 ms after their slot; {sum(map(len, late)):5d} events "
-                      f"> 2 ms late in {len(late)} stalls; latency p50 {r['p50_ms']:.3f} p99 {r['p99_ms']:7.3f} ms; "
+                      f"> 2 ms late in {len(late)} stalls, {r['late_at_publish']} of them published late; "
+                      f"latency p50 {r['p50_ms']:.3f} p99 {r['p99_ms']:7.3f} ms; "
                       f"slowlog > 1 ms: {r['slowlog'] or 'none'}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} after")
 

@@ -60,3 +60,22 @@ def test_curves_written_by_json_come_back_whole_and_a_seed_is_not_given_twice(tm
     assert back[0].time_to(0.5) == 8.0
     with pytest.raises(SystemExit, match="seed 3 is also run now"):
         main(["--seeds", "3", "--with", str(path)])
+
+
+def test_earlier_curves_combine_into_one_file_and_a_seed_without_sync_is_left_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench_learning import Curve, Point, load_curves, main, save_curves
+
+    def curve(mode: str, seed: int, final: float) -> Curve:
+        return Curve(mode, seed, 10.0, 8.0, [Point(0, 0.0, 0.2, 0.1, 0.3), Point(4, 8.0, final, 0.1, 0.9)], 64)
+
+    first, second, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
+    save_curves([curve("sync", 0, 0.5), curve("async", 0, 0.6)], first)
+    save_curves([curve("async", 1, 0.4)], second)  # a stopped bench: seed 1 never ran sync
+    summary = main(["--seeds", "", "--modes", "sync,async", "--with", str(first), "--with", str(second),
+                    "--json", str(out)])
+    assert "seeds without a sync run, left out of the comparison: [1]" in capsys.readouterr().out
+    assert summary["async"]["reach_s"] == [8.0] and summary["async"]["final"] == [0.6]
+    assert sorted((c.mode, c.seed) for c in load_curves(out)) == [("async", 0), ("async", 1), ("sync", 0)]
+    with pytest.raises(SystemExit, match="sync seed 0 is in an earlier --with file too"):
+        main(["--seeds", "", "--with", str(first), "--with", str(first)])
