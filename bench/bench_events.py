@@ -43,6 +43,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
@@ -124,18 +125,17 @@ def kept_connection(url: str) -> Any:
 
 # --- the twins -------------------------------------------------------------------------------
 
-def publish_twin(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+def twin_publisher(job: Job) -> Callable[[int], None]:
+    """The twins' publish of one event scheduled at ``sent`` ns, on a connection kept from here on: a msgpack
+    map, then ``EVALSHA`` of the dedupe script (``twin``) or a plain ``XADD`` (``transport``), hiredis-packed."""
     client, conn = kept_connection(job.url)
     idempotent = job.path == "twin"
     sha = client.script_load(TWIN_SCRIPT)
     dedupe_prefix = f"{Keys(job.namespace).prefix}twin-dedupe:{job.stream}:"
     packer = msgpack.Packer(use_bin_type=True)
     blob = bytes(job.size)
-    ready.set()
-    go.wait()
-    cpu0 = time.process_time()
-    t0 = time.time_ns()
-    for sent in schedule(job):
+
+    def publish(sent: int) -> None:
         event_id = os.urandom(16).hex()
         raw = packer.pack({"id": event_id, "sent_ns": sent, "data": blob})
         if idempotent:
@@ -145,57 +145,88 @@ def publish_twin(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
             conn.send_packed_command([pack_command(("XADD", job.stream, "*", "e", raw))])
         if conn.read_response() is None:
             raise RuntimeError("twin publish reported a duplicate of a fresh id")
-    out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
+    return publish
 
 
-def consume_twin(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+def twin_events(job: Job) -> Generator[dict[str, Any], None, None]:
+    """Each event the twin consumer reads, unpacked, on a connection kept from here on: ``XREADGROUP COUNT c
+    BLOCK`` with the previous batch's ``XACK`` in the same send; the last acks go when the iterator is
+    closed. Ends after ``TIMEOUT_S``."""
     _client, conn = kept_connection(job.url)
     read = pack_command(("XREADGROUP", "GROUP", GROUP, "c0", "COUNT", job.count, "BLOCK", 1000,
                          "STREAMS", job.stream, ">"))
+
+    def events() -> Generator[dict[str, Any], None, None]:
+        acks: list[bytes] = []
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                if acks:  # the previous batch's acks go first, in the same send as the next read
+                    conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks)) + read])
+                    conn.read_response()
+                else:
+                    conn.send_packed_command([read])
+                reply: Any = conn.read_response()
+                acks = []
+                if not reply:
+                    continue
+                entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]  # RESP3 or RESP2
+                for entry_id, fields in entries:
+                    acks.append(entry_id)
+                    yield msgpack.unpackb(fields[1], raw=False)
+        finally:
+            if acks:
+                conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks))])
+                conn.read_response()
+    return events()
+
+
+def project_publisher(job: Job) -> Callable[[int], None]:
+    """``Publisher.publish`` of one ``BenchTick`` scheduled at ``sent`` ns (``durable`` with ``job.durable``),
+    its script loaded here."""
+    if job.durable:  # a plain url: the replica to wait for is named here (with Sentinel it is the default)
+        os.environ["ROLLOUT_BUS_WAIT_REPLICAS"] = "1"
+    pub = Publisher(connect(job.url), Keys(job.namespace), PRODUCER)
+    blob = bytes(job.size)
+    pub.publish(job.stream + ":warmup", BenchTick(producer=PRODUCER, sent_ns=0, data=b""))  # loads the script
+    durable = job.durable
+
+    def publish(sent: int) -> None:
+        pub.publish(job.stream, BenchTick(producer=PRODUCER, sent_ns=sent, data=blob), durable=durable)
+    return publish
+
+
+def _publish_on_schedule(job: Job, publish: Callable[[int], None], ready: MpEvent, go: MpEvent, out: Any) -> None:
+    ready.set()
+    go.wait()
+    cpu0 = time.process_time()
+    t0 = time.time_ns()
+    for sent in schedule(job):
+        publish(sent)
+    out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
+
+
+def publish_twin(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    _publish_on_schedule(job, twin_publisher(job), ready, go, out)
+
+
+def consume_twin(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    events = twin_events(job)
     lat: list[int] = []
-    acks: list[bytes] = []
     ready.set()
     cpu0 = time.process_time()
-    deadline = time.monotonic() + TIMEOUT_S
-    while len(lat) < job.n and time.monotonic() < deadline:
-        if acks:  # the previous batch's acks go first, in the same send as the next read
-            conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks)) + read])
-            conn.read_response()
-        else:
-            conn.send_packed_command([read])
-        reply: Any = conn.read_response()
-        acks = []
-        if not reply:
-            continue
-        entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]  # RESP3 or RESP2
-        for entry_id, fields in entries:
-            data = msgpack.unpackb(fields[1], raw=False)
-            lat.append(time.time_ns() - data["sent_ns"])
-            acks.append(entry_id)
-    if acks:
-        conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks))])
-        conn.read_response()
+    for data in events:
+        lat.append(time.time_ns() - data["sent_ns"])
+        if len(lat) >= job.n:
+            break
+    events.close()  # the last batch's acks
     out.put(("sub", time.time_ns(), lat, time.process_time() - cpu0))
 
 
 # --- the project -------------------------------------------------------------------------------
 
 def publish_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
-    if job.durable:  # a plain url: the replica to wait for is named here (with Sentinel it is the default)
-        os.environ["ROLLOUT_BUS_WAIT_REPLICAS"] = "1"
-    client = connect(job.url)
-    keys = Keys(job.namespace)
-    pub = Publisher(client, keys, PRODUCER)
-    blob = bytes(job.size)
-    pub.publish(job.stream + ":warmup", BenchTick(producer=PRODUCER, sent_ns=0, data=b""))  # loads the script
-    ready.set()
-    go.wait()
-    cpu0 = time.process_time()
-    t0 = time.time_ns()
-    durable = job.durable
-    for sent in schedule(job):
-        pub.publish(job.stream, BenchTick(producer=PRODUCER, sent_ns=sent, data=blob), durable=durable)
-    out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
+    _publish_on_schedule(job, project_publisher(job), ready, go, out)
 
 
 def publish_project_many(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:

@@ -107,12 +107,8 @@ def save_curves(curves: list[Curve], path: Path) -> None:
 
 def load_curves(path: Path) -> list[Curve]:
     """Curves written by ``--json``."""
-    out = []
-    for d in json.loads(path.read_text()):
-        c = Curve(str(d["mode"]), int(d["seed"]), float(d["wall_s"]), float(d["train_s"]),
-                  [Point(**p) for p in d["points"]], int(d["samples"]))
-        out.append(c)
-    return out
+    return [Curve(str(d["mode"]), int(d["seed"]), float(d["wall_s"]), float(d["train_s"]),
+                  [Point(**p) for p in d["points"]], int(d["samples"])) for d in json.loads(path.read_text())]
 
 
 def med_range(values: list[float], fmt: str = "{:.3f}") -> str:

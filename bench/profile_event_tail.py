@@ -29,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_events as be  # noqa: E402
-import msgpack  # noqa: E402
-from hiredis import pack_command  # noqa: E402
 
 from rollout_bus.events.connection import connect  # noqa: E402
 from rollout_bus.events.consume import Consumer, ConsumerConfig  # noqa: E402
 from rollout_bus.events.embedded import RedisServer  # noqa: E402
 from rollout_bus.events.names import Keys  # noqa: E402
-from rollout_bus.events.publish import Publisher  # noqa: E402
 
 LATE_NS = 2_000_000
 STALL_GAP_S = 0.02
@@ -52,24 +50,8 @@ STALL_GAP_S = 0.02
 def publisher(job: be.Job, variant: str, ready: Any, go: Any, out: Any) -> None:
     if variant == "nogc":
         gc.disable()
-    blob = bytes(job.size)
-    if variant == "twin":
-        client, conn = be.kept_connection(job.url)
-        sha = client.script_load(be.TWIN_SCRIPT)
-        prefix = f"{Keys(job.namespace).prefix}twin-dedupe:{job.stream}:"
-        packer = msgpack.Packer(use_bin_type=True)
-
-        def publish(sent: int) -> None:
-            event_id = os.urandom(16).hex()
-            raw = packer.pack({"id": event_id, "sent_ns": sent, "data": blob})
-            conn.send_packed_command([pack_command(("EVALSHA", sha, 2, job.stream, prefix + event_id, 600, raw))])
-            conn.read_response()
-    else:
-        pub = Publisher(connect(job.url), Keys(job.namespace), be.PRODUCER)
-        pub.publish(job.stream + ":warmup", be.BenchTick(producer=be.PRODUCER, sent_ns=0, data=b""))
-
-        def publish(sent: int) -> None:
-            pub.publish(job.stream, be.BenchTick(producer=be.PRODUCER, sent_ns=sent, data=blob))
+    twin = variant == "twin"
+    publish = be.twin_publisher(replace(job, path="twin")) if twin else be.project_publisher(job)
     ready.set()
     go.wait()
     calls: list[tuple[int, int, int]] = []  # (slot, lateness at return, call duration) in ns
@@ -85,23 +67,14 @@ def consumer(job: be.Job, variant: str, ready: Any, go: Any, out: Any) -> None:
         gc.disable()
     lat: list[tuple[int, int]] = []  # (receive time, latency) in ns; the event's slot is their difference
     if variant == "twin":
-        _client, conn = be.kept_connection(job.url)
-        read = pack_command(("XREADGROUP", "GROUP", be.GROUP, "c0", "COUNT", job.count, "BLOCK", 1000,
-                             "STREAMS", job.stream, ">"))
-        acks: list[bytes] = []
+        events = be.twin_events(job)
         ready.set()
-        deadline = time.monotonic() + be.TIMEOUT_S
-        while len(lat) < job.n and time.monotonic() < deadline:
-            conn.send_packed_command([pack_command(("XACK", job.stream, be.GROUP, *acks)) + read] if acks else [read])
-            if acks:
-                conn.read_response()
-            reply: Any = conn.read_response()
-            acks = []
-            for entry_id, fields in (next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]) if reply \
-                    else []:
-                now = time.time_ns()
-                lat.append((now, now - msgpack.unpackb(fields[1], raw=False)["sent_ns"]))
-                acks.append(entry_id)
+        for data in events:
+            now = time.time_ns()
+            lat.append((now, now - data["sent_ns"]))
+            if len(lat) >= job.n:
+                break
+        events.close()
         out.put(("sub", lat))
         return
     config = ConsumerConfig(block_ms=1000, count=job.count)
