@@ -209,10 +209,14 @@ def start_gateway(model: Path, redis_url: str, keys: Keys, log: Path,
 
 
 def package_tree(source: Path, tree: Path) -> Path:
-    """The ``rollout_bus`` package of a source checkout at ``source`` (its top-level folders are the
-    subpackages, pyproject.toml's package-dir), laid out as links under ``tree``."""
+    """The folder to put on ``PYTHONPATH`` for the ``rollout_bus`` package of a source checkout at
+    ``source``. A checkout whose ``rollout_bus/`` links its package folders is that folder itself; an
+    older one (top-level folders mapped by pyproject.toml's package-dir) is laid out as links under
+    ``tree``."""
     import tomllib
 
+    if (source / "rollout_bus" / "events" / "__init__.py").is_file():
+        return source
     mapping = tomllib.loads((source / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     (tree / "rollout_bus").mkdir(parents=True)
     for name, folder in mapping.items():

@@ -1,7 +1,8 @@
 """rollout-bus: a Redis-driven rollout service for asynchronous RL post-training of LLMs.
 
 Installed, the project claims this one import name. Its subpackages live in the
-repository's top-level folders (``pyproject.toml`` maps them with ``package-dir``):
+repository's top-level folders, each linked here under its name (``rollout_bus/events`` is
+a link to ``../events``), so ``rollout_bus.events.names`` is the file ``events/names.py``:
 
 - ``rollout_bus.events``: the bus (names, schema, publish, consume, retention, registry,
   connections) and the batch data plane (batch format, payload stores, train data), and

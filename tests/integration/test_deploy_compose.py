@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -220,7 +219,7 @@ def test_the_dockerfile_installs_cpu_torch_first_then_every_package_it_copies() 
     assert "download.pytorch.org/whl/cpu" in text[torch_at:text.index("\n", torch_at)]
     assert torch_at < text.index("pip install .")
     copied = re.findall(r"^COPY (\S+)/ ", text, re.M)
-    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    folders = {"rollout_bus"} | {p.name for p in (ROOT / "rollout_bus").iterdir() if p.is_symlink()}
     assert folders <= set(copied)
     for path in re.findall(r"^COPY (.+) \S+$", text, re.M):
         for src in path.split():
