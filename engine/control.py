@@ -29,6 +29,7 @@ from rollout_bus.engine.protocol import (
 from rollout_bus.engine.runtime import Engine
 from rollout_bus.engine.scheduler import FLUSH_REFUSED, FLUSHED
 from rollout_bus.engine.served import WeightUpdate
+from rollout_bus.events.names import adapter_name_problem
 from rollout_bus.lm.files import DIGEST_ALGORITHM
 from rollout_bus.lm.hf import state_digest
 
@@ -206,6 +207,9 @@ class Control:
         try:
             body = await _body(request)
             name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
+            problem = adapter_name_problem(name)
+            if problem is not None:
+                raise BadRequest(problem)
             self.check_source("lora_path", path)
             get_bool(body, "pinned", False)
             loop = asyncio.get_running_loop()

@@ -80,6 +80,28 @@ def name_arg(kind: str) -> Callable[[str], str]:
     return parse
 
 
+ADAPTER_SEPARATOR = "@v"
+"""Between a policy and its version in a LoRA adapter's name (``events.registry.adapter_name``)."""
+_VERSION_DIGITS = 19
+
+
+def adapter_name_problem(value: object) -> str | None:
+    """Why ``value`` is not a LoRA adapter name an engine takes (None: it is). An adapter name is a name
+    (``NAME_RULE``), or one made by ``events.registry.adapter_name``: ``<policy>@v<version>``, a policy
+    name and a version of 1-19 digits; the message names the first wrong character and its position."""
+    form = f"an adapter name is a name or <policy>{ADAPTER_SEPARATOR}<version>"
+    if not isinstance(value, str) or not value:
+        return f"lora_name {name_fault(value)}; {form}"
+    policy, sep, version = value.rpartition(ADAPTER_SEPARATOR)
+    if sep and version.isascii() and version.isdigit() and len(version) <= _VERSION_DIGITS:
+        if NAME_PATTERN.fullmatch(policy):
+            return None
+        return f"lora_name {value[:80]!r}: {name_fault(policy)}; {form}"
+    if NAME_PATTERN.fullmatch(value):
+        return None
+    return f"lora_name {value[:80]!r}: {name_fault(value)}; {form}"
+
+
 @dataclass(frozen=True)
 class Keys:
     """Names of every stream and key under one namespace."""

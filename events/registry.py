@@ -27,19 +27,21 @@ import redis
 
 from rollout_bus.events.connection import Guard, as_str
 from rollout_bus.events.errors import Fenced, RedisCommandError
-from rollout_bus.events.names import REGISTRY_GENERATION, Keys
+from rollout_bus.events.names import ADAPTER_SEPARATOR, REGISTRY_GENERATION, Keys, check_name
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
-
-ADAPTER_SEPARATOR = "@v"
-
 
 def adapter_name(policy: str, version: int) -> str:
     """The LoRA adapter name an engine serves ``policy`` at ``version`` under: ``<policy>@v<version>``.
 
     SGLang keeps no version per adapter, so the name carries it: a new version is loaded under a new
-    name (then the old one unloaded), and a generate call's version is read from the name it used."""
+    name (then the old one unloaded), and a generate call's version is read from the name it used. The
+    name always passes ``events.names.adapter_name_problem``, which engines check: a policy that is no
+    name (``policy.v2``), or a negative version, is a ``ValueError`` here, never a name sent to an engine."""
+    check_name("policy", policy)
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 10 ** 19:
+        raise ValueError(f"an adapter's version is an integer from 0 to 10**19 - 1, got {version!r}")
     return f"{policy}{ADAPTER_SEPARATOR}{version}"
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from rollout_bus.events.registry import adapter_name
 from rollout_bus.lm.model import ModelConfig, TinyLM, load_model, save_weights, token_logprobs
 from rollout_bus.lm.tokenizer import encode
 from tests.engine_proc import EngineProcess, call, make_weights_dir, wait_until
@@ -420,6 +421,33 @@ def test_a_bad_adapter_is_a_400_and_nothing_is_loaded(
     assert engine.state()["adapters"] == []
     status, reply = engine.post("/unload_lora_adapter", {"lora_name": "never"})
     assert status == 400 and "does not exist" in reply["error_message"]
+
+
+@pytest.mark.parametrize("name", [adapter_name(p, v) for p, v in
+                                  (("p", 0), ("_p", 1), ("P-1_x", 12345), ("0", 7), ("a" * 64, 10 ** 19 - 1))])
+def test_every_adapter_name_form_the_controller_makes_loads_serves_and_unloads(
+    engine: EngineProcess, weights: dict[str, Path], name: str
+) -> None:
+    status, reply = engine.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(weights["lora"])})
+    assert status == 200 and name in reply["loaded_adapters"], reply
+    assert generate(engine, 3, lora_path=name)["meta_info"]["completion_tokens"] == 3
+    assert engine.post("/unload_lora_adapter", {"lora_name": name})[0] == 200
+    assert engine.state()["adapters"] == []
+
+
+@pytest.mark.parametrize(("name", "fragment"), [
+    ("policy.v2@v3", "character '.' at position 7"),
+    ("a:b@v1", "character ':' at position 2"),
+    ("p@x", "character '@' at position 2"),
+    ("-p", "character '-' at position 1"),
+])
+def test_a_bad_adapter_name_is_a_400_naming_its_character_and_nothing_is_loaded(
+    engine: EngineProcess, weights: dict[str, Path], name: str, fragment: str
+) -> None:
+    status, reply = engine.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(weights["lora"])})
+    assert status == 400 and reply["success"] is False and fragment in reply["error_message"], reply
+    assert engine.state()["adapters"] == [] and reply["loaded_adapters"] == {}
+    assert generate(engine, 2)["meta_info"]["completion_tokens"] == 2  # the engine serves on
 
 
 def test_concurrent_requests_are_decoded_together(engine: EngineProcess, pool: ThreadPoolExecutor) -> None:
