@@ -537,7 +537,7 @@ async def durable_runs(redis_url: str, engine_url: str, model: Path, ks: list[in
     keys = Keys(f"gwd{uuid.uuid4().hex[:8]}")
     register(redis_url, keys, {"tiny": (engine_url, "tiny")})
     client = connect(redis_url)
-    gateway = make_gateway(client, keys, load_format(str(model)), instance="bench", api_key=None)
+    gateway = make_gateway(client, keys, load_format(str(model)), instance="bench", engine_key=None)
     running = await serve(gateway)
     hx = httpx.AsyncClient(timeout=120)
 

@@ -5,8 +5,11 @@ A session is one multi-turn episode served through the session gateway (``rollou
 whole state lives here, not in any gateway process, so any gateway instance serves any session and a
 restart loses nothing:
 
-- ``session(sid)``: a hash with ``rev`` (bumped by every commit) and ``state`` (one msgpack map: the
-  session's header and its journal of turns, each with the exact token ids the engine saw and made);
+- ``session(sid)``: a hash with ``rev`` (bumped by every commit), ``state`` (one msgpack map: the
+  session's header and its journal of turns, each with the exact token ids the engine saw and made)
+  and ``tenant`` (the gateway client key's tenant the session is bound to: the one that opened it, or
+  for a session offered to external agents, "" until one claims it; a caller of another tenant finds
+  no session);
 - ``session_busy(sid)``: the lock a call holds while it runs (``SET NX PX``), so that a second concurrent
   call on the session is refused instead of interleaving turns; it expires on its own if the gateway
   holding it dies;
@@ -30,6 +33,7 @@ from typing import Any
 import msgpack
 import redis
 
+from rollout_bus.events.connection import as_str
 from rollout_bus.events.errors import Failure
 from rollout_bus.events.names import Keys, check_name, name_problem
 from rollout_bus.events.publish import PUBLISH_BODY, SEQ_LUA
@@ -48,15 +52,28 @@ DEFAULT_TTL_S = 24 * 3600
 MAX_STATE_BYTES = 64 << 20
 
 _BEGIN = """
+if ARGV[3] == '1' and (redis.call('HGET', KEYS[1], 'tenant') or '') ~= ARGV[4] then
+  return {'missing'}
+end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) == false then
   return {'busy'}
 end
-local found = redis.call('HMGET', KEYS[1], 'rev', 'state')
+local found = redis.call('HMGET', KEYS[1], 'rev', 'state', 'tenant')
 if found[1] == false then
   redis.call('DEL', KEYS[2])
   return {'missing'}
 end
-return {'ok', found[1], found[2]}
+return {'ok', found[1], found[2], found[3] or ''}
+"""
+"""ARGV[3] '1': only a session of tenant ARGV[4] is found (checked before the lock is taken, so a caller of
+another tenant never holds up the session's own calls)."""
+
+_BIND = """
+if redis.call('HEXISTS', KEYS[1], 'state') == 0 then return 0 end
+local tenant = redis.call('HGET', KEYS[1], 'tenant') or ''
+if tenant ~= '' and tenant ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'tenant', ARGV[1])
+return 1
 """
 
 _COMMIT = """
@@ -137,7 +154,9 @@ def new_state(sid: str, policy: str, *, max_context: int, request_id: str = "", 
     }
 
 
-_INT_LISTS = ("new_ids", "output_ids", "versions")
+_INT_LISTS = ("new_ids", "output_ids")
+UNKNOWN_VERSION = -1
+"""A token's weight version when neither the engine (SGLang's ``"default"``) nor the registry knew it."""
 
 
 def check_state(sid: str, state: Any) -> dict[str, Any]:
@@ -179,6 +198,8 @@ def check_state(sid: str, state: Any) -> dict[str, Any]:
         for key in _INT_LISTS:
             if not _is_id_list(turn.get(key)):
                 raise bad(f"turn {i}: {key} must be a list of non-negative integers")
+        if not _is_version_list(turn.get("versions")):
+            raise bad(f"turn {i}: versions must be a list of integers, each a version or {UNKNOWN_VERSION} (unknown)")
         logprobs = turn.get("logprobs")
         if not isinstance(logprobs, list) or not set(map(type, logprobs)) <= _NUMBER_TYPES:
             raise bad(f"turn {i}: logprobs must be a list of numbers")
@@ -211,6 +232,11 @@ def _is_id_list(ids: Any) -> bool:
     return isinstance(ids, list) and set(map(type, ids)) <= _INT_TYPES and (not ids or min(ids) >= 0)
 
 
+def _is_version_list(versions: Any) -> bool:
+    return (isinstance(versions, list) and set(map(type, versions)) <= _INT_TYPES
+            and (not versions or min(versions) >= UNKNOWN_VERSION))
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -223,6 +249,7 @@ class Held:
     token: str
     rev: bytes
     state: dict[str, Any]
+    tenant: str = ""
 
 
 class SessionStore:
@@ -239,36 +266,52 @@ class SessionStore:
         self._commit = client.register_script(_COMMIT)
         self._commit_publish = client.register_script(_COMMIT_PUBLISH)
         self._release = client.register_script(_RELEASE)
+        self._bind = client.register_script(_BIND)
 
     # --- whole sessions -----------------------------------------------------------------------
-    def create(self, state: Mapping[str, Any]) -> bool:
-        """Store a new session; False (nothing written) when ``state['id']`` exists already."""
+    def create(self, state: Mapping[str, Any], *, tenant: str = "") -> bool:
+        """Store a new session, bound to ``tenant`` ("": none yet); False (nothing written) when
+        ``state['id']`` exists already."""
         sid = check_name("session id", state["id"])
+        if tenant:
+            check_name("tenant", tenant)
         key = self.keys.session(sid)
         pipe = self.client.pipeline(transaction=True)
         pipe.hsetnx(key, "rev", b"0")
         pipe.hsetnx(key, "state", _pack(state))
+        pipe.hsetnx(key, "tenant", tenant)
         pipe.expire(key, self.ttl_s)
-        created, _, _ = pipe.execute()
+        created, _, _, _ = pipe.execute()
         return bool(created)
 
-    def get(self, sid: str) -> dict[str, Any] | None:
-        """The session's state, or None when there is none."""
-        raw = self.client.hget(self.keys.session(check_name("session id", sid)), "state")
-        if raw is None:
+    def get(self, sid: str, *, tenant: str | None = None) -> dict[str, Any] | None:
+        """The session's state, or None when there is none (or, with ``tenant``, none of that tenant)."""
+        raw, bound = self.client.hmget(self.keys.session(check_name("session id", sid)), ["state", "tenant"])
+        if raw is None or (tenant is not None and _text(bound) != tenant):
             return None
         return check_state(sid, _unpack(sid, raw if isinstance(raw, bytes) else str(raw).encode()))
+
+    def tenant(self, sid: str) -> str:
+        """The tenant the session is bound to ("": none, or no such session)."""
+        return _text(self.client.hget(self.keys.session(check_name("session id", sid)), "tenant"))
+
+    def bind(self, sid: str, tenant: str) -> bool:
+        """Bind the session to ``tenant`` (a session offered to external agents, claimed): False when it is
+        gone or bound to another tenant."""
+        check_name("tenant", tenant)
+        return bool(self._bind(keys=[self.keys.session(check_name("session id", sid))], args=[tenant]))
 
     def delete(self, sid: str) -> None:
         self.client.delete(self.keys.session(check_name("session id", sid)),
                            self.keys.session_busy(sid))
 
     # --- one call ------------------------------------------------------------------------------
-    def begin(self, sid: str, token: str) -> Held:
-        """Take the session's lock and read its state: ``SessionBusy`` / ``SessionNotFound`` otherwise."""
+    def begin(self, sid: str, token: str, *, tenant: str | None = None) -> Held:
+        """Take the session's lock and read its state: ``SessionBusy`` / ``SessionNotFound`` otherwise
+        (with ``tenant``, a session bound to another tenant is not found, and its lock is never taken)."""
         check_name("session id", sid)
         reply = self._begin(keys=[self.keys.session(sid), self.keys.session_busy(sid)],
-                            args=[token, self.lock_ms])
+                            args=[token, self.lock_ms, "0" if tenant is None else "1", tenant or ""])
         tag = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
         if tag == "busy":
             raise SessionBusy(sid)
@@ -283,7 +326,7 @@ class SessionStore:
         except BadState:
             self.release(sid, token)
             raise
-        return Held(sid, token, rev, state)
+        return Held(sid, token, rev, state, _text(reply[3]))
 
     def commit(self, held: Held, state: Mapping[str, Any], *, release: bool = True,
                publish: tuple[list[Any], list[Any]] | None = None) -> None:
@@ -311,9 +354,9 @@ class SessionStore:
     def release(self, sid: str, token: str) -> None:
         self._release(keys=[self.keys.session_busy(sid)], args=[token])
 
-    def update(self, sid: str, token: str, change: Any) -> dict[str, Any]:
-        """``change(state) -> state`` under the lock, committed; the new state."""
-        held = self.begin(sid, token)
+    def update(self, sid: str, token: str, change: Any, *, tenant: str | None = None) -> dict[str, Any]:
+        """``change(state) -> state`` under the lock, committed; the new state (``tenant``: as ``begin``)."""
+        held = self.begin(sid, token, tenant=tenant)
         try:
             new = change(dict(held.state))
         except BaseException:
@@ -354,6 +397,11 @@ class SessionStore:
             for sid in sids:
                 pipe.lrem(key, 0, sid)
             pipe.execute()
+
+
+def _text(value: Any) -> str:
+    """A reply value as text, nil as ""."""
+    return "" if value is None else as_str(value)
 
 
 def _pack(state: Mapping[str, Any]) -> bytes:

@@ -1,7 +1,10 @@
 """Agents in executors: each sample is an episode run through the session gateway.
 
 An executor started with ``--agent PATH`` runs the session gateway on its own event loop (on
-127.0.0.1, a free port) and replaces its generate and reward plug-ins: each sample opens a session
+127.0.0.1, a free port) and replaces its generate and reward plug-ins. That gateway reaches the engines
+with the engines' key, and takes from clients one key only: a random one made when the executor starts
+(tenant ``_executor``), given to its own agents' clients (and put in ``$ROLLOUT_BUS_GATEWAY_API_KEY``,
+where verifiers reads it) and to no one else. Each sample opens a session
 named after its request and index, runs ``async def episode(client, item) -> reward`` with an
 ``openai.AsyncOpenAI`` client already bound to the session's base URL, closes the session with the
 reward, and becomes the session's trajectory (``gateway.tito.trajectory``): the first turn's prompt,
@@ -28,6 +31,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +39,13 @@ from typing import Any
 import xxhash
 
 from rollout_bus.events.names import Keys
-from rollout_bus.events.sessions import ABANDONED, CLOSED, FAILED, OPEN, OVERFLOW
+from rollout_bus.events.sessions import ABANDONED, CLOSED, FAILED, OPEN, OVERFLOW, UNKNOWN_VERSION
 from rollout_bus.executor.errors import PluginError
 from rollout_bus.executor.generate import GenerateContext
 from rollout_bus.executor.plugins import load_callable
 from rollout_bus.executor.sample import Sample, Status
 from rollout_bus.gateway.chat import load_format
+from rollout_bus.gateway.keys import EXECUTOR_TENANT, GATEWAY_API_KEY_ENV, ClientKeys
 from rollout_bus.gateway.server import Running, make_gateway, serve
 from rollout_bus.gateway.tito import model_versions, per_turn, trajectory, trajectory_digest
 
@@ -75,23 +80,27 @@ def session_id(request_id: str, index: int) -> str:
 class AgentRunner:
     """The executor's gateway and its agent; lives on the executor's event loop."""
 
-    def __init__(self, config: AgentConfig, client: Any, keys: Keys, *, instance: str, api_key: str | None) -> None:
+    def __init__(self, config: AgentConfig, client: Any, keys: Keys, *, instance: str, engine_key: str | None) -> None:
         self.config = config
-        self.api_key = api_key
+        self.client_keys = ClientKeys.executor()
+        self.api_key = self.client_keys.keys[0].key
+        """The agents' key to this gateway (never the engines')."""
         self.episode = None if config.agent == EXTERNAL else load_callable(config.agent, "agent episode",
                                                                               is_async=True)
         try:
             fmt = load_format(config.model_path, max_context=config.max_context)
         except Exception as exc:
             raise PluginError(f"agent: cannot load the chat template of {config.model_path!r}: {exc}") from None
-        self.gateway = make_gateway(client, keys, fmt, instance=instance, api_key=api_key)
+        self.gateway = make_gateway(client, keys, fmt, instance=instance, engine_key=engine_key)
         self.running: Running | None = None
         self._http: Any = None
 
     async def start(self) -> Running:
         import httpx
 
-        self.running = await serve(self.gateway, host=self.config.host, port=self.config.port, api_key=self.api_key)
+        self.running = await serve(self.gateway, host=self.config.host, port=self.config.port,
+                                   client_keys=self.client_keys)
+        os.environ[GATEWAY_API_KEY_ENV] = self.api_key
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
         log.info("agent gateway on %s", self.running.url)
@@ -107,7 +116,7 @@ class AgentRunner:
         import openai
 
         assert self.running is not None
-        return openai.AsyncOpenAI(base_url=self.running.session_url(sid), api_key=self.api_key or "none",
+        return openai.AsyncOpenAI(base_url=self.running.session_url(sid), api_key=self.api_key,
                                   max_retries=0, http_client=self._http)
 
     # --- the executor's plug-ins ------------------------------------------------------------------
@@ -123,7 +132,8 @@ class AgentRunner:
         sampling = {k: v for k, v in ctx.sampling_params.items() if v is not None}
         state = await asyncio.to_thread(
             self.gateway.open, sid, request.policy, request_id=request.request_id, sample_index=sample.index,
-            item=item, sampling=sampling, external=external, takeover=True)
+            item=item, sampling=sampling, external=external, takeover=True,
+            tenant="" if external else EXECUTOR_TENANT)
         started = time.monotonic()
         if state["status"] == OPEN:
             if external:
@@ -207,6 +217,7 @@ def fill_sample(sample: Sample, state: dict[str, Any], *, episode_s: float = 0.0
         sample.loss_mask = t.loss_mask
         sample.rollout_log_probs = t.log_probs
     sample.weight_versions = model_versions(state)
+    unknown = sum(1 for turn in turns for v in turn["versions"] if v == UNKNOWN_VERSION)
     last_finish = turns[-1]["finish"] if turns else ""
     if status == CLOSED and turns:
         sample.status = Status.TRUNCATED if last_finish == "length" else Status.COMPLETED
@@ -226,7 +237,7 @@ def fill_sample(sample: Sample, state: dict[str, Any], *, episode_s: float = 0.0
         "environment_s": sum(float(turn["env_ms"]) for turn in turns) / 1000,
         "engine_switches": state["switches"], "engine_ids": engines, "engines": engines, "attempt": state["attempt"],
         "engine_calls": state["engine_calls"], "engine_tokens": state["engine_tokens"],
-        "digest": trajectory_digest(t), "episode_s": round(episode_s, 3),
+        "digest": trajectory_digest(t), "episode_s": round(episode_s, 3), "unknown_version_tokens": unknown,
     })
     return sample
 

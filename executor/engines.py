@@ -222,6 +222,8 @@ class EngineCaller:
             adapter = parse_adapter_name(lora_path) if lora_path is not None else None
             if adapter is not None:
                 seen = {adapter[1]}  # the engine reports its base version; the adapter's is in its name
+            elif not seen and record.versions.get(policy, -1) >= 0:
+                seen = {record.versions[policy]}  # a version that is no number (SGLang's "default"): the registry's
             if record.engine_id not in engines:
                 engines.append(record.engine_id)
             if finish == "abort":

@@ -117,7 +117,7 @@ class ExecutorService:
         from rollout_bus.executor.agents import AgentRunner
 
         assert cfg.agent is not None
-        self.agents = AgentRunner(cfg.agent, client, self.keys, instance=self.name, api_key=cfg.router.api_key)
+        self.agents = AgentRunner(cfg.agent, client, self.keys, instance=self.name, engine_key=cfg.router.api_key)
         self._on_loop(self.agents.start())
         plugins.generate = self.agents.generate
         plugins.reward = self.agents.reward

@@ -12,8 +12,12 @@ GET  /health                                  200
 ```
 
 An OpenAI client works unchanged with ``base_url=http://HOST:PORT/sessions/<sid>/v1``. Errors have
-OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``; with an API key configured (the
-engines' key, ``$ROLLOUT_BUS_ENGINE_API_KEY``), every route but ``/health`` wants it as a bearer token.
+OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``. With client keys configured
+(``gateway.keys``: one per tenant, never the engines' key), every route but ``/health`` wants one as a
+bearer token; a session is bound to the tenant that opened or claimed it, and another tenant's key gets
+404 for it, as for a session that does not exist; a key opens and claims sessions only of the policies
+it allows (403 naming the policy otherwise). Without client keys (a gateway on a loopback address only),
+every caller sees every session.
 Each reply carries what a trainer needs beside OpenAI's fields, under ``rollout_bus``: the turn, the
 appended and generated token ids, their log-probs and weight versions, the engine, and whether the
 journal answered. A client that disconnects mid-generation cancels the handler, and the engine request
@@ -22,7 +26,7 @@ is aborted.
 
 from __future__ import annotations
 
-import hmac
+import functools
 import json
 import logging
 import time
@@ -33,6 +37,7 @@ from aiohttp import web
 
 from rollout_bus.events.sessions import CLOSED, SessionError
 from rollout_bus.gateway.chat import ChatError
+from rollout_bus.gateway.keys import ClientKey, ClientKeys
 from rollout_bus.gateway.service import Gateway, TurnReply
 from rollout_bus.gateway.tito import CHAT
 
@@ -44,7 +49,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def error_body(message: str, *, code: str, param: str | None = None, status: int = 400,
                position: int | None = None) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
             409: "conflict_error", 503: "service_unavailable"}.get(status, "server_error")
     error: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": code}
     if position is not None:
@@ -58,19 +63,35 @@ def error_response(message: str, *, code: str, param: str | None = None, status:
                              status=status)
 
 
-def auth_middleware(api_key: str | None) -> Any:
-    expected = f"Bearer {api_key}".encode() if api_key else None
+TENANT_KEY = web.RequestKey("tenant", ClientKey)
 
+
+def auth_middleware(keys: ClientKeys | None) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if expected is not None and request.path != "/health":
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error_response("a valid API key is needed: send 'Authorization: Bearer <key>' (the engines' "
-                                      "key)", code="invalid_api_key", status=401)
+        if keys and request.path != "/health":
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            found = keys.match(given.strip()) if scheme.lower() == "bearer" else None
+            if found is None:
+                return error_response("a valid API key is needed: send 'Authorization: Bearer <key>' with your "
+                                      "gateway key", code="invalid_api_key", status=401)
+            request[TENANT_KEY] = found
         return await handler(request)
 
     return check
+
+
+def tenant_of(request: web.Request) -> str | None:
+    """The caller's tenant (None on a gateway without client keys: the caller sees every session)."""
+    key = request.get(TENANT_KEY)
+    return None if key is None else key.tenant
+
+
+def check_policy(request: web.Request, policy: str) -> None:
+    key = request.get(TENANT_KEY)
+    if key is not None and not key.allows(policy):
+        raise ChatError(f"this key (tenant {key.tenant!r}) may not open or claim sessions of policy {policy!r}",
+                        param="policy", code="policy_not_allowed", status=403)
 
 
 @web.middleware
@@ -136,14 +157,16 @@ class Routes:
         for field, value in (("policy", policy), ("session_id", sid)):
             if not isinstance(value, str):
                 raise ChatError(f"{field} must be a string", param=field)
+        check_policy(request, policy)
         try:
-            state = self.gateway.open(sid, policy, item=item, max_context=max_context, external=True)
+            state = self.gateway.open(sid, policy, item=item, max_context=max_context, external=True,
+                                      tenant=tenant_of(request))
         except ValueError as exc:
             raise ChatError(str(exc), param="session_id") from None
         return web.json_response(session_view(state, self._base(request)))
 
     async def show(self, request: web.Request) -> web.Response:
-        state = self.gateway.get(request.match_info["sid"])
+        state = self.gateway.get(request.match_info["sid"], tenant=tenant_of(request))
         return web.json_response(session_view(state, self._base(request)))
 
     async def close(self, request: web.Request) -> web.Response:
@@ -152,7 +175,7 @@ class Routes:
         if not isinstance(reason, str):
             raise ChatError("reason must be a string", param="reason")
         state = self.gateway.close(request.match_info["sid"], reward=body.get("reward"),
-                                   status=body.get("status", CLOSED), reason=reason)
+                                   status=body.get("status", CLOSED), reason=reason, tenant=tenant_of(request))
         return web.json_response(session_view(state, self._base(request)))
 
     async def claim(self, request: web.Request) -> web.Response:
@@ -160,13 +183,14 @@ class Routes:
         policy = body.get("policy", "default")
         if not isinstance(policy, str):
             raise ChatError("policy must be a string", param="policy")
-        state = self.gateway.claim(policy)
+        check_policy(request, policy)
+        state = self.gateway.claim(policy, tenant=tenant_of(request))
         if state is None:
             return web.json_response({"session": None})
         return web.json_response({"session": session_view(state, self._base(request))})
 
     async def models(self, request: web.Request) -> web.Response:
-        state = self.gateway.get(request.match_info["sid"])
+        state = self.gateway.get(request.match_info["sid"], tenant=tenant_of(request))
         return web.json_response({"object": "list", "data": [
             {"id": state["policy"], "object": "model", "created": 0, "owned_by": "rollout-bus"}]})
 
@@ -182,7 +206,8 @@ class Routes:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ChatError("stream must be true or false", param="stream")
-        serve = self.gateway.chat if kind == CHAT else self.gateway.completion
+        chosen = self.gateway.chat if kind == CHAT else self.gateway.completion
+        serve = functools.partial(chosen, tenant=tenant_of(request))
         if not stream:
             reply = await serve(sid, body)
             return web.json_response(reply_body(self.gateway, reply, kind))
@@ -290,8 +315,8 @@ def reply_body(gateway: Gateway, reply: TurnReply, kind: str) -> dict[str, Any]:
             "usage": reply.usage, "rollout_bus": extra}
 
 
-def build_app(gateway: Gateway, *, api_key: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[auth_middleware(api_key), errors_middleware],
+def build_app(gateway: Gateway, *, client_keys: ClientKeys | None = None) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware(client_keys), errors_middleware],
                           client_max_size=64 << 20)
     app[GATEWAY_KEY] = gateway
     routes = Routes(gateway)

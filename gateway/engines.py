@@ -10,7 +10,9 @@ A turn is one SGLang ``/generate`` with ``input_ids`` and log-probs. A transport
 turn to another engine; an ``abort`` finish (a weight update pausing in abort mode) continues the reply
 from its tokens. Every output token records the weight version that made it: the version spans the engine
 reports (``meta_info.weight_versions``) or its one version, or, for a LoRA policy, the adapter's version in
-its name.
+its name. A version that is not a number (SGLang started without ``--weight-version`` reports
+``"default"``) is the version the controller recorded for the engine in the registry, else
+``UNKNOWN_VERSION`` (-1): a session never fails over a version.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from rollout_bus.engine.http_client import EngineClient, EngineHTTPError, parse_version
 from rollout_bus.events.registry import EngineRecord, Registry, parse_adapter_name
+from rollout_bus.events.sessions import UNKNOWN_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,8 @@ class Pinner:
                 self.in_flight[record.engine_id] = max(self.in_flight.get(record.engine_id, 1) - 1, 0)
             if adapter is not None:
                 versions = [adapter[1]] * len(ids)
+            else:
+                versions = known_versions(versions, record.versions.get(policy))
             if not out.output_ids:
                 out.cached_tokens = cached
             out.output_ids += ids
@@ -181,6 +186,14 @@ class Pinner:
         return read_reply(last)
 
 
+def known_versions(versions: list[int], recorded: int | None) -> list[int]:
+    """``versions`` with each unknown one (a version string that is no number) as the registry's
+    ``recorded`` version of the engine, where it has one."""
+    if recorded is None or recorded < 0:
+        return versions
+    return [recorded if v == UNKNOWN_VERSION else v for v in versions]
+
+
 def read_reply(reply: Any) -> tuple[list[int], list[float], list[int], str, int]:
     """Output ids, log-probs, per-token versions, finish reason and cached prompt tokens of a reply."""
     if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
@@ -195,12 +208,12 @@ def read_reply(reply: Any) -> tuple[list[int], list[float], list[int], str, int]
     if finish not in ("stop", "length", "abort"):
         raise EngineHTTPError("", "/generate", 502, f"a reply with finish_reason {finish_reason!r}")
     base = parse_version(meta.get("weight_version"))
-    versions = [base if base is not None else -1] * len(ids)
+    versions = [base if base is not None and base >= 0 else UNKNOWN_VERSION] * len(ids)
     for span in meta.get("weight_versions") or []:
         if isinstance(span, dict):
             v = parse_version(span.get("version"))
             start, end = span.get("start"), span.get("end")
-            if v is not None and isinstance(start, int) and isinstance(end, int):
+            if v is not None and v >= 0 and isinstance(start, int) and isinstance(end, int):
                 for i in range(max(start, 0), min(end, len(ids))):
                     versions[i] = v
     cached = meta.get("cached_tokens")

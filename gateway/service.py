@@ -115,13 +115,16 @@ class Gateway:
     # --- sessions --------------------------------------------------------------------------------
     def open(self, sid: str, policy: str, *, request_id: str = "", sample_index: int = -1,
              item: Mapping[str, Any] | None = None, sampling: Mapping[str, Any] | None = None,
-             max_context: int | None = None, external: bool = False, takeover: bool = False) -> dict[str, Any]:
+             max_context: int | None = None, external: bool = False, takeover: bool = False,
+             tenant: str | None = None) -> dict[str, Any]:
         """Open session ``sid``, or reopen it for a new attempt of its episode (its journal kept, replayed
         from the first turn). A session already ended is returned as it is. ``takeover``: the caller owns
-        the episode (its executor's job was retried), so a call lock left by the dead attempt is broken."""
+        the episode (its executor's job was retried), so a call lock left by the dead attempt is broken.
+        ``tenant``: the client key's tenant the new session is bound to; a session of another tenant is
+        not found (None: a caller that sees every session, as a gateway without client keys)."""
         state = new_state(sid, policy, max_context=max_context or self.fmt.max_context, request_id=request_id,
                           sample_index=sample_index, item=item, sampling=sampling)
-        if self.store.create(state):
+        if self.store.create(state, tenant=tenant or ""):
             self.metrics.sessions_opened.inc()
             self._publish_started(state, external)
             return state
@@ -140,7 +143,7 @@ class Gateway:
             current["last_ms"] = 0
             return current
 
-        state = self.store.update(sid, token, reopen)
+        state = self.store.update(sid, token, reopen, tenant=tenant)
         if state["status"] == OPEN:
             self.metrics.sessions_opened.inc()
             self._publish_started(state, external)
@@ -151,14 +154,16 @@ class Gateway:
             producer=self.publisher.producer, policy=state["policy"], session_id=state["id"],
             request_id=state["request_id"], attempt=state["attempt"], external=external))
 
-    def get(self, sid: str) -> dict[str, Any]:
+    def get(self, sid: str, *, tenant: str | None = None) -> dict[str, Any]:
+        """The session's state; ``SessionNotFound`` when there is none, or it is another tenant's."""
         _check_sid(sid)
-        state = self.store.get(sid)
+        state = self.store.get(sid, tenant=tenant)
         if state is None:
             raise SessionNotFound(sid)
         return state
 
-    def close(self, sid: str, *, reward: float | None, status: str = CLOSED, reason: str = "") -> dict[str, Any]:
+    def close(self, sid: str, *, reward: float | None, status: str = CLOSED, reason: str = "",
+              tenant: str | None = None) -> dict[str, Any]:
         """End an open session with its reward (an ended one is returned unchanged)."""
         _check_sid(sid)
         if status not in STATUSES or status == OPEN:
@@ -174,7 +179,7 @@ class Gateway:
             ended.append(True)
             return _ended(state, status, reason, reward)
 
-        state = self.store.update(sid, uuid.uuid4().hex, end)
+        state = self.store.update(sid, uuid.uuid4().hex, end, tenant=tenant)
         if ended:
             self._publish_closed(state)
         return state
@@ -193,15 +198,24 @@ class Gateway:
             newest_version=versions[-1] if versions else -1, engine_switches=state["switches"],
             digest=trajectory_digest(t)))
 
-    def claim(self, policy: str) -> dict[str, Any] | None:
-        """The oldest session offered to external agents of ``policy`` (None when none waits)."""
+    def claim(self, policy: str, *, tenant: str | None = None) -> dict[str, Any] | None:
+        """The oldest session offered to external agents of ``policy`` (None when none waits), bound to
+        ``tenant`` from now on."""
         if name_problem("policy", policy) is not None:
             raise ChatError(str(name_problem("policy", policy)), param="policy")
-        sid = self.store.claim(policy)
-        return None if sid is None else self.get(sid)
+        while True:
+            sid = self.store.claim(policy)
+            if sid is None:
+                return None
+            if tenant and not self.store.bind(sid, tenant):
+                continue  # gone, or another tenant's: never an offered session, take the next
+            try:
+                return self.get(sid, tenant=tenant)
+            except SessionNotFound:
+                continue
 
     # --- turns -----------------------------------------------------------------------------------
-    async def chat(self, sid: str, body: Mapping[str, Any], *,
+    async def chat(self, sid: str, body: Mapping[str, Any], *, tenant: str | None = None,
                    on_tokens: Callable[[list[int], list[float]], Awaitable[None]] | None = None) -> TurnReply:
         tools = check_tools(body.get("tools"))
         if tools and not self.fmt.supports_tools:
@@ -210,19 +224,20 @@ class Gateway:
         digest = params_digest({k: body.get(k) for k in (*_SAMPLING_KEYS, "max_tokens", "max_completion_tokens",
                                                             "tools", "tool_choice")})
         return await self._turn(sid, body, lambda state: plan_chat(self.fmt, state, body.get("messages"),
-                                                                    tools=tools, digest=digest), on_tokens)
+                                                                    tools=tools, digest=digest), on_tokens, tenant)
 
-    async def completion(self, sid: str, body: Mapping[str, Any], *,
+    async def completion(self, sid: str, body: Mapping[str, Any], *, tenant: str | None = None,
                          on_tokens: Callable[[list[int], list[float]], Awaitable[None]] | None = None) -> TurnReply:
         digest = params_digest({k: body.get(k) for k in (*_SAMPLING_KEYS, "max_tokens")})
         return await self._turn(sid, body, lambda state: plan_completion(self.fmt, state, body.get("prompt"),
-                                                                          digest=digest), on_tokens)
+                                                                          digest=digest), on_tokens, tenant)
 
     async def _turn(self, sid: str, body: Mapping[str, Any], planner: Callable[[dict[str, Any]], Plan],
-                    on_tokens: Callable[[list[int], list[float]], Awaitable[None]] | None) -> TurnReply:
+                    on_tokens: Callable[[list[int], list[float]], Awaitable[None]] | None,
+                    tenant: str | None) -> TurnReply:
         _check_sid(sid)
         arrived_ms = _now_ms()
-        held = self.store.begin(sid, uuid.uuid4().hex)
+        held = self.store.begin(sid, uuid.uuid4().hex, tenant=tenant)
         committed = False
         try:
             state = held.state

@@ -33,8 +33,9 @@ MAX_TOKENS = 8
 """Tokens per reply (``tasks.guess.episode`` asks for as many)."""
 VERSION = "0.4."
 """The verifiers releases the environments are written for (its API changes between minor releases)."""
-API_KEY_ENV = "ROLLOUT_BUS_ENGINE_API_KEY"
-"""verifiers reads an endpoint's key from an environment variable: the gateway's key is the engines'."""
+API_KEY_ENV = "ROLLOUT_BUS_GATEWAY_API_KEY"
+"""verifiers reads an endpoint's key from an environment variable: the client's gateway key
+(``gateway.keys.GATEWAY_API_KEY_ENV``, which an executor sets for its own agents), never the engines'."""
 
 
 def verifiers() -> Any:
@@ -96,8 +97,8 @@ def model_context(client: Any, model: str = MODEL, max_tokens: int = MAX_TOKENS)
     vf = verifiers()
     key = str(getattr(client, "api_key", "") or "")
     if key not in ("", "none", "EMPTY") and os.environ.get(API_KEY_ENV) != key:
-        raise ValueError(f"verifiers reads the endpoint's API key from ${API_KEY_ENV}: set it to the client's key "
-                         "(the gateway's, which is the engines')")
+        raise ValueError(f"verifiers reads the endpoint's API key from ${API_KEY_ENV}: set it to the client's "
+                         "gateway key")
     endpoint = vf.EvalClientConfig(base_url=str(client.base_url).rstrip("/"), api_key_var=API_KEY_ENV)
     return vf.ModelContext(model=model, client=endpoint, sampling=vf.Sampling(max_tokens=max_tokens))
 

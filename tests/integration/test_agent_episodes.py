@@ -22,6 +22,7 @@ from rollout_bus.events.schema import SessionClosed, SessionTurn
 from rollout_bus.events.sessions import SessionStore
 from rollout_bus.events.submit import RolloutSubmitter
 from rollout_bus.executor.agents import session_id
+from rollout_bus.gateway.keys import ClientKey, ClientKeys
 from rollout_bus.gateway.tito import digest, trajectory
 from rollout_bus.replay.exporter import export_log
 from rollout_bus.replay.logfile import LogReader, decode_entries, only_entries
@@ -46,6 +47,7 @@ from tests.support.procs import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
+AGENTS_KEY = "external-agents-key-0123"
 SAMPLING = SamplingParams(max_new_tokens=8, temperature=1.0)
 GUESS = ("--data-source", "rollout_bus.tasks.guess.GuessSource", "--data-source-args",
          '{"low": 1, "high": 16, "max_turns": 3}')
@@ -202,23 +204,25 @@ def test_external_agents_claim_sessions_and_abandoned_ones_are_recorded(
     RolloutSubmitter(redis_client, keys).submit(request)
     executors.append(ExecutorProcess(redis_server.url, keys.namespace, 0, agent_args(model, "external")))
     claimed: list[str] = []
-    with GatewayThread(redis_server.url, keys, model) as gateway:  # `rollout-bus gateway`, elsewhere
+    agents = ClientKeys([ClientKey("agents", AGENTS_KEY, frozenset({"p"}))])
+    auth = {"Authorization": f"Bearer {AGENTS_KEY}"}
+    with GatewayThread(redis_server.url, keys, model, client_keys=agents) as gateway:  # `rollout-bus gateway`
         def agent() -> None:
             while len(claimed) < 2:
-                status, body = call(gateway.url + "/sessions/claim", "POST", {"policy": "p"})
+                status, body = call(gateway.url + "/sessions/claim", "POST", {"policy": "p"}, headers=auth)
                 assert status == 200
                 session = body["session"]
                 if session is None:
                     time.sleep(0.05)
                     continue
                 claimed.append(session["id"])
-                client = openai.OpenAI(base_url=session["base_url"], api_key="none", max_retries=0)
+                client = openai.OpenAI(base_url=session["base_url"], api_key=AGENTS_KEY, max_retries=0)
                 messages = [{"role": "user", "content": session["item"]["prompt"]}]
                 reply = client.chat.completions.create(model="p", messages=messages, max_tokens=4)
                 messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                              {"role": "user", "content": "higher."}]
                 client.chat.completions.create(model="p", messages=messages, max_tokens=4)
-                call(gateway.url + f"/sessions/{session['id']}/close", "POST", {"reward": 0.25})
+                call(gateway.url + f"/sessions/{session['id']}/close", "POST", {"reward": 0.25}, headers=auth)
 
         thread = threading.Thread(target=agent)
         thread.start()

@@ -20,6 +20,7 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.registry import EngineState
 from rollout_bus.events.schema import SessionClosed, SessionTurn, decode
 from rollout_bus.events.sessions import SessionStore
+from rollout_bus.gateway.keys import ClientKey, ClientKeys
 from rollout_bus.gateway.tito import trajectory, trajectory_digest
 from tests.engine_proc import EngineProcess, call, wait_until
 from tests.support.gateway import CHATML_TOOLS_TEMPLATE, GatewayThread, register, set_state
@@ -28,6 +29,10 @@ from tests.support.models import copy_dir, llama_dir
 pytestmark = pytest.mark.timeout(300)
 
 KEY = "gw-test-key"
+"""The engines' key: the gateway holds it, no client does."""
+CLIENT = "tenant-a-key-0123456789"
+OTHER = "tenant-b-key-0123456789"
+CLIENT_KEYS = ClientKeys([ClientKey("a", CLIENT), ClientKey("b", OTHER, frozenset({"other"}))])
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +61,17 @@ def engines(model_dir: Path) -> Iterator[list[EngineProcess]]:
 def setup(server: RedisServer, engines: list[EngineProcess], model_dir: Path) -> Iterator[tuple[GatewayThread, Keys]]:
     keys = Keys(f"t{uuid.uuid4().hex[:10]}")
     register(server.url, keys, [("e0", engines[0].url), ("e1", engines[1].url)])
-    with GatewayThread(server.url, keys, model_dir, api_key=KEY) as gw:
+    with GatewayThread(server.url, keys, model_dir, engine_key=KEY, client_keys=CLIENT_KEYS) as gw:
         yield gw, keys
 
 
-def client_for(gw: GatewayThread, sid: str, key: str = KEY) -> openai.OpenAI:
+def client_for(gw: GatewayThread, sid: str, key: str = CLIENT) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.session_url(sid), api_key=key, max_retries=0)
 
 
 def open_session(gw: GatewayThread, sid: str, **kw: object) -> dict:
     status, body = call(gw.url + "/sessions", "POST", {"session_id": sid, **kw},
-                        headers={"Authorization": f"Bearer {KEY}"})
+                        headers={"Authorization": f"Bearer {CLIENT}"})
     assert status == 200, body
     return body
 
@@ -138,7 +143,7 @@ def test_exact_tokens_mask_and_logprobs(setup: tuple[GatewayThread, Keys], model
     assert [e.output_tokens for e in turns] == [len(p["output_token_ids"]) for p in parts]
     # closing writes the reward and the sample's digest
     status, body = call(gw.url + "/sessions/exact/close", "POST", {"reward": 0.5},
-                        headers={"Authorization": f"Bearer {KEY}"})
+                        headers={"Authorization": f"Bearer {CLIENT}"})
     assert status == 200 and body["status"] == "closed" and body["reward"] == 0.5
     closed = [e for e in events(gw, keys) if isinstance(e, SessionClosed)]
     assert len(closed) == 1 and closed[0].digest == trajectory_digest(t) and closed[0].turns == 4
@@ -257,7 +262,7 @@ def test_a_session_spans_a_weight_update_with_per_token_versions(setup: tuple[Ga
         t = trajectory(state)
         model_versions = [v for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
         assert set(model_versions) == {0, 1} and model_versions[-1] == 1
-        call(gw.url + "/sessions/spans/close", "POST", {"reward": 1.0}, headers={"Authorization": f"Bearer {KEY}"})
+        call(gw.url + "/sessions/spans/close", "POST", {"reward": 1.0}, headers={"Authorization": f"Bearer {CLIENT}"})
         closed = [e for e in events(gw, keys) if isinstance(e, SessionClosed)]
         assert closed[-1].oldest_version == 0 and closed[-1].newest_version == 1  # staleness: the oldest token
     finally:
@@ -304,7 +309,7 @@ def test_tools_rendered_and_tool_replies_masked(server: RedisServer, engines: li
     tools = [{"type": "function", "function": {"name": "calculator", "description": "evaluates arithmetic",
                                                "parameters": {"type": "object",
                                                               "properties": {"expr": {"type": "string"}}}}}]
-    with GatewayThread(server.url, keys, tooled, api_key=KEY) as gw:
+    with GatewayThread(server.url, keys, tooled, engine_key=KEY, client_keys=CLIENT_KEYS) as gw:
         assert gw.fmt.supports_tools
         open_session(gw, "tools")
         client = client_for(gw, "tools")
@@ -335,13 +340,13 @@ def test_tools_refused_where_the_template_has_none(setup: tuple[GatewayThread, K
 def test_any_gateway_serves_any_session(server: RedisServer, engines: list[EngineProcess], model_dir: Path) -> None:
     keys = Keys(f"t{uuid.uuid4().hex[:10]}")
     register(server.url, keys, [("e0", engines[0].url)])
-    first = GatewayThread(server.url, keys, model_dir, api_key=KEY)
+    first = GatewayThread(server.url, keys, model_dir, engine_key=KEY, client_keys=CLIENT_KEYS)
     try:
         open_session(first, "roams")
         messages, _ = episode(client_for(first, "roams"), 1)
     finally:
         first.close()  # the first gateway goes away: nothing of the session was in it
-    with GatewayThread(server.url, keys, model_dir, api_key=KEY) as other:
+    with GatewayThread(server.url, keys, model_dir, engine_key=KEY, client_keys=CLIENT_KEYS) as other:
         reply = chat(client_for(other, "roams"), messages + [{"role": "user", "content": "again"}])
         assert reply.model_extra["rollout_bus"]["turn"] == 1
 
@@ -374,7 +379,7 @@ def test_bad_input_each_with_a_clear_error(setup: tuple[GatewayThread, Keys]) ->
     # nothing was recorded by the refused calls
     assert stored(gw, keys, "bad")["position"] == 0
     # a closed session
-    call(gw.url + "/sessions/bad/close", "POST", {"reward": 0.0}, headers={"Authorization": f"Bearer {KEY}"})
+    call(gw.url + "/sessions/bad/close", "POST", {"reward": 0.0}, headers={"Authorization": f"Bearer {CLIENT}"})
     with pytest.raises(openai.ConflictError) as caught:
         chat(client, [{"role": "user", "content": "hi"}])
     assert caught.value.body["code"] == "session_closed"

@@ -17,11 +17,12 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import page
 from rollout_bus.events.schema import SessionClosed, decode
 from rollout_bus.events.sessions import SessionStore
+from rollout_bus.gateway.keys import ClientKey, ClientKeys
 from rollout_bus.gateway.tito import trajectory
 from rollout_bus.launch.config import RunConfig
 from rollout_bus.launch.job import run_job
 from rollout_bus.tasks.guess import answer, first_number, score
-from rollout_bus.tasks.verifiers_env import VerifiersSource, episode, make_env, rollout, task_of
+from rollout_bus.tasks.verifiers_env import API_KEY_ENV, VerifiersSource, episode, make_env, rollout, task_of
 from tests.engine_proc import EngineProcess, call
 from tests.support.executor_procs import register_engines
 from tests.support.gateway import GatewayThread
@@ -32,11 +33,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 GAME = {"low": 1, "high": 16, "max_turns": 4, "seed": 0}
 GAMES = 6
+VF_KEY = "verifiers-agents-key-0123"
+"""The verifiers agents' gateway key (read from $ROLLOUT_BUS_GATEWAY_API_KEY), never the engines'."""
+VF_KEYS = ClientKeys([ClientKey("vf", VF_KEY)])
 
 
 @pytest.fixture(scope="module")
 def model(agent_model: Path) -> Path:
     return agent_model
+
+
+@pytest.fixture()
+def gateway_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, VF_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +54,10 @@ def engine(agent_engine: EngineProcess) -> EngineProcess:
 
 
 def open_session(gateway: GatewayThread, sid: str) -> openai.AsyncOpenAI:
-    status, body = call(gateway.url + "/sessions", "POST", {"policy": "p", "session_id": sid})
+    status, body = call(gateway.url + "/sessions", "POST", {"policy": "p", "session_id": sid},
+                        headers={"Authorization": f"Bearer {VF_KEY}"})
     assert status == 200, body
-    return openai.AsyncOpenAI(base_url=body["base_url"], api_key="none", max_retries=0)
+    return openai.AsyncOpenAI(base_url=body["base_url"], api_key=VF_KEY, max_retries=0)
 
 
 def replies(state: dict[str, Any]) -> list[str]:
@@ -56,12 +66,12 @@ def replies(state: dict[str, Any]) -> list[str]:
 
 def test_a_verifiers_environment_plays_its_games_through_sessions(redis_client: redis.Redis, redis_server: RedisServer,
                                                                   keys: Keys, engine: EngineProcess,
-                                                                  model: Path) -> None:
+                                                                  model: Path, gateway_key: None) -> None:
     register_engines(redis_client, keys, {"e0": engine.url})
     source = VerifiersSource(**GAME)
     store = SessionStore(redis_client, keys)
     multi_turn = 0
-    with GatewayThread(redis_server.url, keys, model) as gateway:
+    with GatewayThread(redis_server.url, keys, model, client_keys=VF_KEYS) as gateway:
         for index in range(GAMES):
             sid = f"vf-{index}"
             client = open_session(gateway, sid)
@@ -96,11 +106,12 @@ def test_a_verifiers_environment_plays_its_games_through_sessions(redis_client: 
 
 
 def test_the_agent_function_returns_the_rubrics_reward(redis_client: redis.Redis, redis_server: RedisServer,
-                                                       keys: Keys, engine: EngineProcess, model: Path) -> None:
+                                                       keys: Keys, engine: EngineProcess, model: Path,
+                                                       gateway_key: None) -> None:
     register_engines(redis_client, keys, {"e0": engine.url})
     source = VerifiersSource(**GAME)
     store = SessionStore(redis_client, keys)
-    with GatewayThread(redis_server.url, keys, model) as gateway:
+    with GatewayThread(redis_server.url, keys, model, client_keys=VF_KEYS) as gateway:
         items = [source.item(index) for index in range(3)]
         clients = [open_session(gateway, f"ag-{i}") for i in range(3)]
 

@@ -15,6 +15,7 @@ from rollout_bus.events.connection import connect
 from rollout_bus.events.names import Keys
 from rollout_bus.events.registry import EngineRecord, EngineState, Registry
 from rollout_bus.gateway.chat import ChatFormat, load_format
+from rollout_bus.gateway.keys import ClientKeys
 from rollout_bus.gateway.server import Running, make_gateway, serve
 from rollout_bus.gateway.service import Gateway
 from rollout_bus.lm.model import ModelConfig
@@ -71,17 +72,17 @@ def agent_engine(agent_model: Path) -> Iterator[EngineProcess]:
 class GatewayThread:
     """The gateway's HTTP server on a loop thread; ``call`` runs a coroutine there."""
 
-    def __init__(self, redis_url: str, keys: Keys, model_path: str | Path | None, *, api_key: str | None = None,
-                 fmt: ChatFormat | None = None, wait_s: float = 10.0) -> None:
+    def __init__(self, redis_url: str, keys: Keys, model_path: str | Path | None, *, engine_key: str | None = None,
+                 client_keys: ClientKeys | None = None, fmt: ChatFormat | None = None, wait_s: float = 10.0) -> None:
         self.client = connect(redis_url)
         self.keys = keys
         self.fmt = fmt or load_format(str(model_path) if model_path else None)
-        self.gateway: Gateway = make_gateway(self.client, keys, self.fmt, instance="test-gateway", api_key=api_key,
-                                             wait_s=wait_s)
+        self.gateway: Gateway = make_gateway(self.client, keys, self.fmt, instance="test-gateway",
+                                             engine_key=engine_key, wait_s=wait_s)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="gateway-loop")
         self.thread.start()
-        self.running: Running = self.call(serve(self.gateway, api_key=api_key))
+        self.running: Running = self.call(serve(self.gateway, client_keys=client_keys))
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 120.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)

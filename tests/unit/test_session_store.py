@@ -99,3 +99,27 @@ def test_any_tampered_state_is_rejected_or_still_well_formed(key: str, value: An
         assert checked["policy"] and checked["max_context"] > 0 and 0 <= checked["position"] <= len(checked["turns"])
         for t in checked["turns"]:
             assert len(t["output_ids"]) == len(t["logprobs"]) == len(t["versions"])
+
+
+def test_a_session_is_found_only_by_its_tenant_and_another_never_takes_its_lock(store: SessionStore) -> None:
+    assert store.create(new_state("s", "p", max_context=64), tenant="a")
+    assert store.get("s", tenant="a") is not None and store.get("s") is not None  # None: a caller of every tenant
+    assert store.get("s", tenant="b") is None
+    with pytest.raises(SessionNotFound):
+        store.begin("s", "t1", tenant="b")
+    assert not store.client.exists(store.keys.session_busy("s"))
+    held = store.begin("s", "t2", tenant="a")
+    assert held.tenant == "a"
+    store.release("s", "t2")
+    assert not store.bind("s", "b")  # bound already
+    assert store.tenant("s") == "a"
+
+
+def test_an_offered_session_is_bound_by_its_claim(store: SessionStore) -> None:
+    assert store.create(new_state("o", "p", max_context=64))
+    assert store.tenant("o") == "" and store.get("o", tenant="a") is None
+    assert store.bind("o", "a") and store.bind("o", "a")  # again by the same tenant: no change
+    assert store.get("o", tenant="a") is not None and store.get("o", tenant="b") is None
+    assert not store.bind("gone", "a")
+    with pytest.raises(ValueError, match="'.'"):
+        store.bind("o", "a.b")

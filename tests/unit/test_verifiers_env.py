@@ -156,10 +156,10 @@ def test_an_item_without_its_task_is_refused() -> None:
 
 def test_a_keyed_client_needs_the_key_where_verifiers_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     client = openai.AsyncOpenAI(base_url="http://127.0.0.1:1/sessions/s0/v1", api_key="k1", max_retries=0)
-    monkeypatch.delenv("ROLLOUT_BUS_ENGINE_API_KEY", raising=False)
-    with pytest.raises(ValueError, match="ROLLOUT_BUS_ENGINE_API_KEY"):
+    monkeypatch.delenv("ROLLOUT_BUS_GATEWAY_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="ROLLOUT_BUS_GATEWAY_API_KEY"):
         model_context(client)
-    monkeypatch.setenv("ROLLOUT_BUS_ENGINE_API_KEY", "k1")
+    monkeypatch.setenv("ROLLOUT_BUS_GATEWAY_API_KEY", "k1")
     ctx = model_context(client)
     assert ctx.client.base_url == "http://127.0.0.1:1/sessions/s0/v1" and ctx.model == "policy"
 
