@@ -139,6 +139,32 @@ def test_engines_get_the_api_key_and_only_the_trainer_writes_published_weights()
     assert args[args.index("--weights-root") + 1] == "/shared/weights"
 
 
+def test_the_gateway_reaches_the_engines_with_their_key_and_its_clients_have_keys_of_their_own() -> None:
+    engine_key = "engine-key-0123456789abcdef"
+    tenants = "team-a tenant-a-key-0123456789 default; team-b tenant-b-key-0123456789"
+    env = {**SECRETS, "ENGINE_API_KEY": engine_key, "GATEWAY_PASSWORD": "gw-secret", "GATEWAY_API_KEYS": tenants}
+    services = compose(env)["services"]
+    gateway = services["gateway"]
+    assert gateway["profiles"] == ["gateway"] and gateway["ports"] == ["127.0.0.1:8300:8300"]
+    assert gateway["environment"]["ROLLOUT_BUS_ENGINE_API_KEY"] == engine_key
+    assert gateway["environment"]["ROLLOUT_BUS_GATEWAY_API_KEYS"] == tenants
+    assert urlsplit(gateway["environment"]["REDIS_URL"]).username == "gateway"
+    assert services["redis"]["environment"]["GATEWAY_PASSWORD"] == "gw-secret"  # its ACL user is rendered on
+    for name, svc in services.items():  # every engine's key is the one secret: the controller launches them
+        if "ROLLOUT_BUS_ENGINE_API_KEY" in svc.get("environment", {}):
+            assert svc["environment"]["ROLLOUT_BUS_ENGINE_API_KEY"] == engine_key, name
+    assert "ROLLOUT_BUS_GATEWAY_API_KEYS" not in services["controller"]["environment"]
+    args = entrypoint(command(gateway))
+    assert args[args.index("--host") + 1] == "0.0.0.0"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_URL", "ROLLOUT_BUS_"))}
+    base.update(REDIS_URL="redis://127.0.0.1:1/0", ROLLOUT_BUS_ENGINE_API_KEY=engine_key)
+    # as compose starts it without GATEWAY_API_KEYS, and with a client key that is the engines': refused
+    for keys, refusal in (("", "without client keys"), (f"ops {engine_key}", "engines' key")):
+        done = subprocess.run(args, cwd=ROOT, env={**base, "ROLLOUT_BUS_GATEWAY_API_KEYS": keys},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and refusal in done.stderr and engine_key not in done.stderr, done.stderr
+
+
 def test_the_sentinel_profile_runs_two_replicas_and_no_service_uses_the_admin_user() -> None:
     services = compose({**SECRETS, "REPLICATION_PASSWORD": "r", "SENTINEL_PASSWORD": "x"})["services"]
     replicas = [n for n, svc in services.items() if "--replicaof" in " ".join(map(str, svc.get("command", [])))]
@@ -234,7 +260,7 @@ def entrypoint(args: list[str]) -> list[str]:
     return [sys.executable, *args[1:]]
 
 
-@pytest.mark.parametrize("name", ["init-model", "controller", "executor", "trainer", "bus-metrics"])
+@pytest.mark.parametrize("name", ["init-model", "controller", "executor", "trainer", "bus-metrics", "gateway"])
 def test_every_command_compose_runs_exists_and_knows_its_flags(name: str) -> None:
     args = entrypoint(command(compose()["services"][name]))
     assert args[1] == "-m", f"{name}: compose runs an installed module, not a file ({args[1]})"

@@ -109,6 +109,33 @@ def test_the_charts_acl_users_are_the_projects() -> None:
     assert {u["username"] for u in chart_users()} <= set(secret["stringData"])
 
 
+def env_of(name: str) -> dict[str, Any]:
+    (deployment,) = [d for d in V.load(K8S / name) if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def secret_ref(env: dict[str, Any], name: str) -> tuple[str, str]:
+    ref = env[name]["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def test_the_engines_and_the_gateway_get_their_keys_from_secrets_and_no_client_holds_the_engines() -> None:
+    engine_key = ("rollout-bus-engine", "api-key")
+    for name in ("controller.yaml", "executor.yaml", "gateway.yaml"):  # the controller launches every engine with it
+        assert secret_ref(env_of(name), "ROLLOUT_BUS_ENGINE_API_KEY") == engine_key, name
+    gateway = env_of("gateway.yaml")
+    assert secret_ref(gateway, "ROLLOUT_BUS_GATEWAY_API_KEYS") == ("rollout-bus-gateway", "api-keys")
+    for name in ("controller.yaml", "executor.yaml"):
+        assert "ROLLOUT_BUS_GATEWAY_API_KEYS" not in env_of(name)
+    (deployment,) = [d for d in V.load(K8S / "gateway.yaml") if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert args[args.index("--host") + 1] == "0.0.0.0"  # a pod address: it starts only with client keys
+    secrets = {d["metadata"]["name"]: d for d in V.load(K8S / "secrets.example.yaml")}
+    assert set(secrets["rollout-bus-gateway"]["stringData"]) == {"api-keys"}
+    assert set(secrets["rollout-bus-engine"]["stringData"]) == {"api-key"}
+
+
 @pytest.mark.parametrize("name", [p.name for p in V.manifests(K8S)])
 def test_each_role_uses_its_own_redis_user(name: str) -> None:
     for d in V.load(K8S / name):
