@@ -106,7 +106,6 @@ class ExecutorService:
         if cfg.metrics_port is not None:
             self.metrics.serve(cfg.metrics_port)
         self._reaper = Reaper(rq_client, queues, name=self.name, interval_s=cfg.reap_interval_s,
-                              stranded_after_s=cfg.heartbeat_ttl_s,
                               on_thread_start=lambda: jobs.bind(self)).start()
         log.info("executor %s started on namespace %s, queues %s", self.name, self.keys.namespace,
                  [q.name for q in queues])
