@@ -18,6 +18,19 @@ takes that number (``controller.runner``). Taking the lease and raising the coun
 ``WAIT`` under Sentinel (``events.connection.durability``), as every durable write is: a failover
 cannot hand a standby a counter older than a token an engine already saw, nor a lease nobody took.
 
+Redis may also lose its last writes without losing everything: with AOF ``everysec`` a host crash loses
+up to a second, and a takeover in that second with it, so the next standby would be handed the lost leader's
+number again (the engines, which fence by number alone, would take both). So a number is never handed out
+twice: the script that hands one out (``_NEXT_TOKEN``) records the run id of the server that did
+(``<key>:fence:run``). On the same run it increments; on another (the server restarted or failed over since)
+and from then on, the token is also at least the server's clock in microseconds, so every token is at least
+the time it was handed out, and one a restarted server hands out is larger than any it gave before its crash.
+This costs nothing measurable per takeover (an ``INFO server`` and a ``TIME`` inside the script, no extra round
+trip, no fsync wait). It assumes the clock of the server that restarts does not step back by more than the
+time the restart took (a restart takes seconds; NTP slews rather than steps), and that tokens stay below the
+clock (only ``raise_above`` can put the counter past it, to a number an engine reported). Tokens stay below
+``MAX_TOKEN`` until the year 2255.
+
 Renewals get a short reconnect budget (a third of the lease): a leader that cannot renew
 must notice in time to step down (``controller.runner``), not retry for a minute. A lease
 whose holder was a process of this host that is gone (the owner token names host and pid)
@@ -43,14 +56,42 @@ log = logging.getLogger(__name__)
 MAX_TOKEN = 2 ** 53 - 2
 """The largest fencing token a raise goes to: Lua numbers are doubles, exact up to 2**53."""
 
-# KEYS[1] lease, KEYS[2] fence counter, KEYS[3] fence holder; ARGV[1] owner, ARGV[2] ttl ms. Returns the new
-# tenure's fencing token, 0 if held by someone else. Every acquisition is a new tenure with a new token, also
-# one by the owner whose key has not lapsed yet (a leader that stepped down and takes the lease back): its
-# engines have seen its old token, and an equal one would read as another holder's.
-_ACQUIRE = """
+CLOCK_FLOOR = 10 ** 15
+"""Tokens from here up are clock-folded (microseconds since the epoch: 10**15 is September 2001)."""
+
+# The next token, given the counter's value and a floor (the highest an engine saw, 0 for none). A plain
+# increment while this Redis process handed out every number since the counter began. Otherwise (the server
+# restarted or failed over since the last handout: its last second of writes may be gone with tokens in it), and
+# from then on, the larger of that and the server's clock in microseconds: a token handed out at time t is at
+# least t, so any number a lost write held is below the clock of the restarted server. KEYS[4] holds the run id
+# of the server that handed out the last number. INFO is not served in some test doubles' scripts: no run id.
+_NEXT_TOKEN = """
+local function next_token(current, floor)
+  local info = redis.pcall('INFO', 'server')
+  local run = ''
+  if type(info) == 'string' then
+    run = string.match(info, 'run_id:(%x+)') or ''
+  end
+  local last = redis.call('GET', KEYS[4])
+  local token = math.max(current, floor) + 1
+  if current >= CLOCK_FLOOR or (last and last ~= run) or (not last and current > 0) then
+    local now = redis.call('TIME')
+    token = math.max(token, tonumber(now[1]) * 1000000 + tonumber(now[2]))
+  end
+  redis.call('SET', KEYS[2], string.format('%d', token))
+  redis.call('SET', KEYS[4], run)
+  return token
+end
+""".replace("CLOCK_FLOOR", str(CLOCK_FLOOR))
+
+# KEYS[1] lease, KEYS[2] fence counter, KEYS[3] fence holder, KEYS[4] the run id of the last handout; ARGV[1]
+# owner, ARGV[2] ttl ms. Returns the new tenure's fencing token, 0 if held by someone else. Every acquisition is a
+# new tenure with a new token, also one by the owner whose key has not lapsed yet (a leader that stepped down and
+# takes the lease back): its engines have seen its old token, and an equal one would read as another holder's.
+_ACQUIRE = _NEXT_TOKEN + """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) or redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  local token = redis.call('INCR', KEYS[2])
+  local token = next_token(tonumber(redis.call('GET', KEYS[2]) or '0'), 0)
   redis.call('SET', KEYS[3], ARGV[1])
   return token
 end
@@ -59,13 +100,11 @@ return 0
 
 # KEYS as _ACQUIRE; ARGV[1] owner, ARGV[2] ttl ms, ARGV[3] highest token seen. Only while ARGV[1] holds the lease:
 # the counter goes past both its value and the highest seen. Returns the new token, 0 when the lease is not ours.
-_RAISE = """
+_RAISE = _NEXT_TOKEN + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
-local current = tonumber(redis.call('GET', KEYS[2]) or '0')
-local token = math.max(current, tonumber(ARGV[3])) + 1
-redis.call('SET', KEYS[2], string.format('%d', token))
+local token = next_token(tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[3]))
 redis.call('SET', KEYS[3], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return token
@@ -98,6 +137,7 @@ class Lease:
         self.key = key
         self.fence_key = fence_key or f"{key}:fence"
         self.holder_key = f"{self.fence_key}:holder"
+        self.run_key = f"{self.fence_key}:run"
         d = durability(client)  # a lease write waits for its replicas no longer than a third of the lease: past
         self.durability = dataclasses.replace(d, wait_s=min(d.wait_s, ttl_s / 3))  # it, no controller leads
         self.owner = owner
@@ -112,7 +152,7 @@ class Lease:
 
     @property
     def _fence_keys(self) -> list[str]:
-        return [self.key, self.fence_key, self.holder_key]
+        return [self.key, self.fence_key, self.holder_key, self.run_key]
 
     def _durable(self, what: str, script: Callable[..., Any], keys: list[str], args: list[Any]) -> Any:
         """Run ``script``, then (under Sentinel) ``WAIT`` for the replicas on the same connection."""

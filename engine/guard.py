@@ -181,6 +181,9 @@ async def serve(args: argparse.Namespace, command: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args, command = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollout_bus.events.processes import watch_run
+
+    watch_run()  # in a run: the guard and its SGLang (one process group) go when the run is gone
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(serve(args, command))
     return 0

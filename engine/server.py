@@ -15,6 +15,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from rollout_bus.events.processes import watch_run
+
+    watch_run()  # launched by a run's controller: gone with the run, though it outlives the controller
     from aiohttp import web
 
     from rollout_bus.engine.errors import EngineError

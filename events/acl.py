@@ -130,9 +130,10 @@ def controller() -> Role:
         *_consumer(k.command_stream, "offload and onload commands (controller/bus.py)"),
         Grant((_pattern(k.engine_registry), _pattern(k.policy_registry)), ("hset", "hdel", "hincrby"),
               "the engine and policy registry (events/registry.py)"),
-        Grant((_pattern(k.controller_lease), _pattern(k.controller_fence), _pattern(k.controller_fence_holder)),
-              ("set", "del", "pexpire", "incr"),
-              "the controller lease, its fencing counter and the counter's holder (controller/lease.py)"),
+        Grant((_pattern(k.controller_lease), _pattern(k.controller_fence), _pattern(k.controller_fence_holder),
+               _pattern(k.controller_fence_run)), ("set", "del", "pexpire", "incr"),
+              "the controller lease, its fencing counter, the counter's holder and the server run that handed it "
+              "out (controller/lease.py)"),
         Grant((_pattern(k.bus_epoch),), ("set",), "the bus epoch, created once (events/epoch.py, controller/cli.py)"),
         Grant((_stream_any(k.weight_stream),), ("del",),
               "a publication refused for good may be announced again (controller/bus.py forget_publication)"),
@@ -147,7 +148,7 @@ def controller() -> Role:
               "the janitor's payload sweep and dropped readers (events/batches.py)"),
         Grant((_pattern(k.payload_index),), ("zrem",), "the payload sweep (events/batches.py)"),
         Grant((_pattern(k.payload_stores),), ("hdel",), "the payload sweep (events/batches.py)"),
-        SCRIPTS), keyless=(*CONNECTION, "multi", "exec", "discard"))
+        SCRIPTS), keyless=(*CONNECTION, "info", "multi", "exec", "discard"))  # INFO: the run id, controller/lease.py
 
 
 def executor() -> Role:

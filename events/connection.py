@@ -389,6 +389,16 @@ class ReconnectPolicy:
     cap_s: float = 2.0
 
 
+_ABANDONED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def abandon(client: Any) -> None:
+    """Guards on ``client`` stop waiting for Redis: a call in its reconnect loop fails at its next try. For a role
+    that is stopping: it must not wait a reconnect budget for a Redis that is gone (its worker threads would hold
+    the process's exit)."""
+    _ABANDONED.add(client)
+
+
 class Guard:
     """Runs Redis operations with reconnect-and-backoff and error translation."""
 
@@ -413,6 +423,9 @@ class Guard:
             except (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError) as exc:
                 self._note_lost(exc)
                 waited = time.monotonic() - started
+                if self.client in _ABANDONED:
+                    raise BusUnavailable(f"{self.name}: Redis unreachable and the client abandoned (stopping): "
+                                         f"{exc}") from None
                 if waited > self.policy.max_wait_s:
                     raise BusUnavailable(f"{self.name}: Redis unreachable for {waited:.1f}s "
                                          f"(budget {self.policy.max_wait_s:g}s): {exc}") from None

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollout_bus.events import processes
+
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +44,9 @@ class RedisServer:
     appendfsync: str = "everysec"
     extra_args: list[str] = field(default_factory=list)
     binary: str | None = None
+    death_signal: int | None = None
+    """Set: the server gets this signal when the thread that started it ends (``processes.die_with_parent``); a
+    run's private server gets SIGTERM, on which Redis writes its append-only file out and exits."""
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _own_dir: bool = field(default=False, init=False)
 
@@ -67,7 +72,8 @@ class RedisServer:
         else:
             args += ["--appendonly", "no"]
         args += self.extra_args
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        preexec = None if self.death_signal is None else processes.die_with_parent(self.death_signal)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=preexec)
         try:
             self._wait_ready(timeout_s)
         except BaseException:
@@ -163,10 +169,13 @@ class FakeTcpServer:
 
 
 def private_redis(data_dir: Path | None = None, appendonly: bool = False) -> RedisServer | FakeTcpServer:
-    """A private Redis for a run: a real server when one can be had, else fakeredis over TCP."""
+    """A private Redis for a run: a real server when one can be had, else fakeredis over TCP. The server stops
+    when this process dies, however it dies (SIGTERM, so its last writes reach the append-only file first);
+    call it from the main thread."""
     binary = find_redis_server()
     if binary is not None:
-        return RedisServer(binary=binary, data_dir=data_dir, appendonly=appendonly).start()
+        return RedisServer(binary=binary, data_dir=data_dir, appendonly=appendonly,
+                           death_signal=signal.SIGTERM).start()
     log.warning("no redis-server binary on PATH (scripts/setup.sh installs one where it can): falling back to "
                 "fakeredis (slow)")
     return FakeTcpServer().start()

@@ -280,6 +280,13 @@ class Keys:
         refused (two holders of one number, after Redis lost the tail of its log)."""
         return self._k("lease", "controller", "fence", "holder")
 
+    @property
+    def controller_fence_run(self) -> str:
+        """The run id of the Redis server that handed out the current fencing token: a token taken on another run
+        (Redis restarted or failed over, and may have lost its last writes) is folded with the clock
+        (``controller.lease``)."""
+        return self._k("lease", "controller", "fence", "run")
+
     def trainer_lease(self, policy: str) -> str:
         """Hash of the trainer ranks holding ``policy`` (one active trainer per policy)."""
         return self._k("lease", "trainer", check_name("policy", policy))

@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(ns)
 
-    from rollout_bus.events.connection import connect
+    from rollout_bus.events.connection import abandon, connect
     from rollout_bus.events.epoch import check_interval_s, stop_on_bus_reset
     from rollout_bus.events.errors import InvalidRequest
     from rollout_bus.events.names import Keys
@@ -136,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 service.work(burst=ns.burst, max_jobs=ns.max_jobs)
             finally:
                 service.stop()
+                abandon(watch_client)  # the last epoch check does not wait for a Redis that is gone
     finally:
         watch_client.close()
     return 0

@@ -6,10 +6,6 @@ executor import and call any function (``os.system``). ``RolloutJob`` is the job
 executor's worker, queues and registries: it resolves only ``events.submit.JOB_FUNC`` (on a plain
 function, no instance) and only ``FAILURE_CALLBACK`` as a callback. Any other name is never
 imported: the function raises ``ForbiddenJob`` with the reason, and the callbacks are none.
-
-A retried job also forgets when the reaper first saw it in its queue's intermediate list (rq's
-``first_seen`` key, kept 24 h): otherwise the next attempt, taken by a live worker, would look
-stranded since the first attempt and be put back on the queue while that worker runs it.
 """
 
 from __future__ import annotations
@@ -17,19 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
-from rq.queue import Queue
 
 from rollout_bus.events.submit import FAILURE_CALLBACK, JOB_FUNC
 from rollout_bus.executor.errors import ForbiddenJob
 
 log = logging.getLogger(__name__)
-
-
-def first_seen_key(queue_key: str, job_id: str) -> str:
-    """rq's key for when a job id was first seen in ``queue_key``'s intermediate list."""
-    return f"{IntermediateQueue.get_intermediate_queue_key(queue_key)}:first_seen:{job_id}"
 
 
 def refusal(job: Job) -> str | None:
@@ -74,7 +63,3 @@ class RolloutJob(Job):
             log.error("%s; its callbacks are not run", reason)
             return None
         return super().failure_callback
-
-    def retry(self, queue: Queue, pipeline: Any) -> None:
-        pipeline.delete(first_seen_key(queue.key, self.id))
-        super().retry(queue, pipeline)

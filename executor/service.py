@@ -26,7 +26,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from rollout_bus.engine.http_client import close_shared_session
-from rollout_bus.events.connection import Redis, connect
+from rollout_bus.events.connection import Redis, abandon, connect
 from rollout_bus.events.errors import InvalidRequest
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
@@ -106,7 +106,6 @@ class ExecutorService:
         if cfg.metrics_port is not None:
             self.metrics.serve(cfg.metrics_port)
         self._reaper = Reaper(rq_client, queues, name=self.name, interval_s=cfg.reap_interval_s,
-                              stranded_after_s=cfg.heartbeat_ttl_s,
                               on_thread_start=lambda: jobs.bind(self)).start()
         log.info("executor %s started on namespace %s, queues %s", self.name, self.keys.namespace,
                  [q.name for q in queues])
@@ -137,6 +136,12 @@ class ExecutorService:
                 signal.signal(sig, handler)
 
     def stop(self) -> None:
+        # stopping: no call waits a reconnect budget for a Redis that is gone (the loop's worker threads would
+        # hold the process's exit for it)
+        for client in (self._parts.client if self._parts is not None else None,
+                       self.worker.connection if self.worker is not None else None):
+            if client is not None:
+                abandon(client)
         if self._reaper is not None:
             self._reaper.stop()
             self._reaper = None

@@ -16,27 +16,30 @@ a minute, and looks for abandoned jobs only every ten minutes. Here:
 - only rollout jobs run: the worker, its queues and the reaper's registries use ``RolloutJob``
   (``executor/rqjob.py``), which imports no function or callback but the project's own; any other
   job fails at once, unretried, with the reason;
-- dequeuing never loses a job: rq takes a job from several queues with ``BLPOP``, so a worker
-  that dies between taking a job and registering it as started (milliseconds, but a SIGKILL can
-  land there) leaves it in no queue and no registry. ``ReliableQueue`` always moves the job id
-  to the queue's intermediate list (``LMOVE``, rq's own single-queue way), the worker removes it
-  there when it registers the start, and the ``Reaper`` puts back on its queue a job left in an
-  intermediate list for longer than a live worker ever takes (``stranded_after_s``).
+- dequeuing never loses a job, and never hands one to two workers: rq takes a job from several queues
+  with ``BLPOP``, so a worker that dies between taking a job and registering it as started (milliseconds,
+  but a SIGKILL can land there) leaves it in no queue and no registry. ``ReliableQueue`` moves the job id to
+  a list of the worker's own (``taken_key``: ``LMOVE``, atomic), the worker removes it there once the start is
+  registered, and puts back on its queue whatever it finds there before it takes the next job (one job at a
+  time: anything left is from an attempt that never started). The ``Reaper`` puts back a job left in the list
+  of a worker that is gone, judged by the worker's heartbeat (its rq worker key expired or marked dead, or its
+  pid, on this host, dead), never by how long the job has been there: a live worker's job is never put back,
+  however slow it is to start it. The mark is the attempt's own: it goes when the attempt starts (the job's
+  status is then ``started`` and the started registry's heartbeat owns it) or is put back.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 from typing import Any
 
 from rq import Queue, SimpleWorker
 from rq.exceptions import DequeueTimeout
-from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -44,52 +47,104 @@ from rq.timeouts import TimerDeathPenalty
 
 from rollout_bus.events import processes
 from rollout_bus.events.connection import Redis, as_str
-from rollout_bus.executor.rqjob import RolloutJob, first_seen_key, refusal
+from rollout_bus.executor.rqjob import RolloutJob, refusal
 
 log = logging.getLogger(__name__)
 
 
+def taken_key(queue_key: str, worker: str) -> str:
+    """The list of the job ids ``worker`` took from ``queue_key`` and has not started yet (beside rq's keys)."""
+    return f"{queue_key}:taken:{worker}"
+
+
+def takers_key(queue_key: str) -> str:
+    """The set of the workers that take jobs from ``queue_key`` (whose ``taken_key`` lists the reaper looks at)."""
+    return f"{queue_key}:takers"
+
+
+# KEYS[1] queue, KEYS[2] the worker's taken list, KEYS[3] takers set; ARGV[1] worker name. Take the next job.
+_TAKE = """
+redis.call('SADD', KEYS[3], ARGV[1])
+return redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+"""
+
+# KEYS[1] the worker's taken list, KEYS[2] queue, KEYS[3] the worker's rq key, KEYS[4] takers set; ARGV[1] worker
+# name, ARGV[2] the pid the caller found dead ('' when it found the key gone or marked dead), ARGV[3] '1' when the
+# worker gives back its own, ARGV[4] rq's job key prefix. Unless the worker came back meanwhile (its key holds
+# another pid, or is there again unmarked), every job id in the list whose job is still queued goes back to the
+# head of its queue; one already started (its started registry entry owns it) or gone is dropped. Returns the
+# number put back, -1 when the worker is alive.
+_GIVE_BACK = """
+if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[3]) == 1 and redis.call('HEXISTS', KEYS[3], 'death') == 0 then
+  local pid = redis.call('HGET', KEYS[3], 'pid')
+  if ARGV[2] == '' or pid ~= ARGV[2] then
+    return -1
+  end
+end
+local n = 0
+while true do
+  local id = redis.call('RPOP', KEYS[1])
+  if not id then
+    break
+  end
+  if redis.call('HGET', ARGV[4] .. id, 'status') == 'queued' then
+    redis.call('LPUSH', KEYS[2], id)
+    n = n + 1
+  end
+end
+if ARGV[3] ~= '1' then
+  redis.call('SREM', KEYS[4], ARGV[1])
+end
+return n
+"""
+
+
 class ReliableQueue(Queue):
-    """A queue whose dequeue from several queues moves the job id to an intermediate list, like rq's
-    single-queue dequeue, instead of popping it: a worker that dies before the job is registered as
-    started leaves it where the ``Reaper`` finds it."""
+    """A queue whose dequeue moves the job id to a list of the taking worker's own (``taken_key``) instead of popping
+    it: a worker that dies before the job is registered as started leaves it where the ``Reaper`` finds it.
+    Dequeuing is for a named worker: ``taken_by(name)`` is the class its worker uses."""
 
     job_class = RolloutJob
     BLOCK_SLICE_S = 1
     """While blocked on the first (highest-priority) queue, the others are looked at again this often."""
+    taker: str | None = None
+
+    @classmethod
+    def taken_by(cls, worker: str) -> type[ReliableQueue]:
+        return type(cls.__name__, (cls,), {"taker": worker})
 
     @classmethod
     def dequeue_any(cls, queues: Iterable[Queue], timeout: int | None, connection: Redis,  # type: ignore[override]
                     job_class: Any = None, serializer: Any = None,
                     death_penalty_class: Any = None) -> tuple[Job, Queue] | None:
+        if cls.taker is None:
+            raise RuntimeError("a ReliableQueue dequeues for a named worker: use ReliableQueue.taken_by(name)")
+        taker = cls.taker
         ordered = list(queues)
-        if len(ordered) < 2:
-            return super().dequeue_any(ordered, timeout, connection, job_class=job_class, serializer=serializer,
-                                       death_penalty_class=death_penalty_class)
+        take = connection.register_script(_TAKE)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            job_id: Any = None
             for queue in ordered:  # in priority order, without blocking
-                job_id = connection.lmove(queue.key, IntermediateQueue.get_intermediate_queue_key(queue.key))
+                job_id = take(keys=[queue.key, taken_key(queue.key, taker), takers_key(queue.key)], args=[taker])
                 if job_id is not None:
-                    found = cls._fetch_dequeued_job(connection, queue.key, as_str(job_id), job_class=job_class,
-                                                    serializer=serializer, death_penalty_class=death_penalty_class)
-                    if found is not None:
-                        return found
-                    break  # a job id without a job: look again from the top
+                    break
             else:
                 if deadline is None:
                     return None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DequeueTimeout(timeout, [q.key for q in ordered])
-                first = ordered[0].key
-                job_id = connection.blmove(first, IntermediateQueue.get_intermediate_queue_key(first),
-                                           cls.BLOCK_SLICE_S)
-                if job_id is not None:
-                    found = cls._fetch_dequeued_job(connection, first, as_str(job_id), job_class=job_class,
-                                                    serializer=serializer, death_penalty_class=death_penalty_class)
-                    if found is not None:
-                        return found
+                queue = ordered[0]
+                connection.sadd(takers_key(queue.key), taker)  # before the list can hold anything
+                job_id = connection.blmove(queue.key, taken_key(queue.key, taker),
+                                           max(1, round(left)) if len(ordered) < 2 else cls.BLOCK_SLICE_S)
+            if job_id is not None:
+                found = cls._fetch_dequeued_job(connection, queue.key, as_str(job_id), job_class=job_class,
+                                                serializer=serializer, death_penalty_class=death_penalty_class)
+                if found is not None:
+                    return found
+                connection.lrem(taken_key(queue.key, taker), 1, as_str(job_id))  # a job id without a job
 
 
 class ExecutorWorker(SimpleWorker):
@@ -106,13 +161,32 @@ class ExecutorWorker(SimpleWorker):
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.around_job = around_job
+        self.queue_class = ReliableQueue.taken_by(name)
+        self._give_back = connection.register_script(_GIVE_BACK)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return self.heartbeat_ttl_s
 
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        # The worker key lives only a little longer than the longest gap between beats (a blocked dequeue), not
+        # rq's worker_ttl + 60: the reaper reads its expiry as this worker's death.
+        longest_gap = self.dequeue_timeout + self.heartbeat_ttl_s
+        super().heartbeat(min(timeout or longest_gap, longest_gap), pipeline=pipeline)
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None
+                                     ) -> tuple[Job, Queue] | None:
+        for queue in self.queues:  # one job at a time: what our list still holds, no attempt of ours will start
+            put_back = give_back(self._give_back, queue.key, self.name, own=True)
+            if put_back:
+                log.warning("%d job(s) %s took from %s were never started: back on the queue", put_back, self.name,
+                            queue.name)
+        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
-        # the job id is in its queue's intermediate list whatever the number of queues (ReliableQueue)
-        super().prepare_job_execution(job, remove_from_intermediate_queue=True)
+        super().prepare_job_execution(job, remove_from_intermediate_queue=False)
+        # the start is registered (the job's status is 'started'): the mark of the attempt goes with it
+        self.connection.lrem(taken_key(self.queue_class.redis_queue_namespace_prefix + job.origin, self.name), 1,
+                             job.id)
 
     def perform_job(self, job: Job, queue: Queue, execution: Any) -> bool:
         reason = refusal(job)
@@ -174,14 +248,12 @@ class ExecutorWorker(SimpleWorker):
             pipe.execute()
 
 
-# KEYS[1] intermediate list, KEYS[2] queue; ARGV[1] job id. Back to the head of its queue, once.
-_REQUEUE = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
-  redis.call('LPUSH', KEYS[2], ARGV[1])
-  return 1
-end
-return 0
-"""
+def give_back(script: Any, queue_key: str, worker: str, *, own: bool = False, dead_pid: int | None = None) -> int:
+    """Put back on its queue what ``worker`` took and never started (``_GIVE_BACK``); -1 when it is alive."""
+    return int(script(keys=[taken_key(queue_key, worker), queue_key, SimpleWorker.redis_worker_namespace_prefix + worker,
+                            takers_key(queue_key)],
+                      args=[worker, "" if dead_pid is None else str(dead_pid), "1" if own else "0",
+                            RolloutJob.redis_job_namespace_prefix]))
 
 
 class Reaper:
@@ -189,14 +261,14 @@ class Reaper:
     their queue jobs a dead executor took but never started."""
 
     def __init__(self, connection: Redis, queues: list[Queue], *, name: str, interval_s: float,
-                 on_thread_start: Callable[[], Any] | None = None, stranded_after_s: float = 10.0) -> None:
+                 on_thread_start: Callable[[], Any] | None = None) -> None:
         self.connection = connection
         self.queues = queues
         self.name = name
         self.interval_s = interval_s
         self.on_thread_start = on_thread_start
-        self.stranded_after_s = stranded_after_s
-        self._requeue = connection.register_script(_REQUEUE)
+        self.host = socket.gethostname()
+        self._give_back = connection.register_script(_GIVE_BACK)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="executor-reaper", daemon=True)
 
@@ -228,28 +300,37 @@ class Reaper:
             try:
                 StartedJobRegistry(queue=queue, job_class=RolloutJob,
                                    death_penalty_class=TimerDeathPenalty).cleanup()
-                self.requeue_stranded(queue)
+                self.requeue_abandoned(queue)
             finally:
                 try:
                     lock.release()
                 except Exception as exc:  # expired or Redis gone: either way the lock times out by itself
                     log.debug("releasing the cleaning lock of %s: %s", queue.name, exc)
 
+    def gone(self, worker: str) -> tuple[bool, int | None]:
+        """Whether ``worker`` is gone, judged by its heartbeat: its rq key expired (it stopped beating) or says it
+        died, or it is a process of this host that is dead (then also its pid)."""
+        host, pid_text, death = self.connection.hmget(SimpleWorker.redis_worker_namespace_prefix + worker,
+                                                      ["hostname", "pid", "death"])
+        if death is not None or not self.connection.exists(SimpleWorker.redis_worker_namespace_prefix + worker):
+            return True, None
+        pid = int(pid_text) if pid_text is not None and as_str(pid_text).isdigit() else 0
+        if host is not None and as_str(host) == self.host and pid and not processes.alive(pid):
+            return True, pid
+        return False, None
 
-    def requeue_stranded(self, queue: Queue) -> int:
-        """Jobs in ``queue``'s intermediate list for longer than ``stranded_after_s``: taken by a worker that
-        died before starting them. Back to the head of the queue (not a retry: no attempt ran); returns how many."""
-        stranded = IntermediateQueue(queue.key, connection=self.connection)
+    def requeue_abandoned(self, queue: Queue) -> int:
+        """Jobs a worker that is gone took from ``queue`` and never started: back to the head of the queue (not a
+        retry: no attempt ran). A live worker's are left to it, however long it holds them. Returns how many."""
         requeued = 0
-        for job_id in stranded.get_job_ids():
-            if stranded.set_first_seen(job_id):
-                continue  # seen for the first time: a live worker may be starting it right now
-            first = stranded.get_first_seen(job_id)
-            if first is None or (datetime.now(UTC) - first).total_seconds() < self.stranded_after_s:
+        for raw in self.connection.smembers(takers_key(queue.key)):  # type: ignore[union-attr]
+            worker = as_str(raw)
+            gone, pid = self.gone(worker)
+            if not gone:
                 continue
-            if self._requeue(keys=[stranded.key, queue.key], args=[job_id]):
-                self.connection.delete(first_seen_key(queue.key, job_id))
-                requeued += 1
-                log.warning("job %s was taken from %s by an executor that died before starting it: back on the "
-                            "queue", job_id, queue.name)
+            put_back = give_back(self._give_back, queue.key, worker, dead_pid=pid)
+            if put_back > 0:
+                requeued += put_back
+                log.warning("%d job(s) taken from %s by %s, which is gone, were never started: back on the queue",
+                            put_back, queue.name, worker)
         return requeued

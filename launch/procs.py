@@ -6,6 +6,11 @@ may finish, like a trainer), starts it again with the same arguments after a bac
 doubles with each restart, and raises ``GaveUp`` (with the end of its log) once its restart
 budget is spent. Every death is recorded (``Child.exits``), so the run's summary counts them.
 
+No child outlives the run, however the run dies: each is started with ``processes.die_with_parent``
+(SIGKILL when the launcher dies; children are started from the main thread, which lives as long as the
+launcher) and with ``processes.RUN_ENV`` in its environment, which the engines a controller starts inherit
+and watch (``processes.watch_run``).
+
 ``ProcessSet.stop_all`` sends SIGTERM to each child it started (newest first), waits,
 and SIGKILLs what is still alive; it also stops grandchildren it was told about (the
 engines the controller launched, by the pids the controller recorded), so an
@@ -114,6 +119,7 @@ class ProcessSet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         full_env = dict(os.environ, **self.env, **(env or {}))
+        full_env[processes.RUN_ENV] = processes.run_marker()  # what the engines its controller starts watch
         child = Child(name, self._spawn(self._prefix(name), list(args), full_env, log_path), log_path, list(args),
                       full_env, restart)
         self.children.append(child)
@@ -127,7 +133,7 @@ class ProcessSet:
     def _spawn(prefix: list[str], args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
         with log_path.open("ab") as out:
             return subprocess.Popen([*prefix, sys.executable, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=processes.die_with_parent(signal.SIGKILL))
 
     def supervise(self, now: float | None = None) -> list[Child]:
         """Restart supervised children that died, after their backoff; returns those started again now.

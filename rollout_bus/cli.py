@@ -86,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rollout-bus {__version__}")
         return 0
     command, rest = resolve(args)
+    from rollout_bus.events.processes import watch_run
+
+    watch_run()  # a role of a run stops when the run is gone (it also has the kernel's death signal)
     entry: Callable[[list[str]], int | None] = importlib.import_module(command.module).main
     from rollout_bus.events.errors import BusReset
 

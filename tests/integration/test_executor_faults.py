@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,7 +27,7 @@ from tests.support.executor_procs import (
     rollout_events,
     train_data,
 )
-from tests.support.procs import wait_for
+from tests.support.procs import spawn, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -148,26 +150,20 @@ def test_the_data_cursor_survives_executor_restarts_and_kills(
 
 def test_a_job_taken_by_an_executor_that_died_before_starting_it_goes_back_on_the_queue(
         redis_server: RedisServer, redis_client: redis.Redis, keys: Keys, engines: list[EngineProcess],
-        executors: list[ExecutorProcess]) -> None:
-    from rollout_bus.executor.config import ExecutorConfig
-    from rollout_bus.executor.service import ExecutorService
-
+        executors: list[ExecutorProcess], tmp_path: Path) -> None:
     register_engines(redis_client, keys, {f"e{i}": e.url for i, e in enumerate(engines)})
     (request,) = submit(redis_client, keys, 1)
     # an executor serving both queues takes the job the way every executor does, then dies before starting it
-    dying = ExecutorService(ExecutorConfig(redis_url=redis_server.url, namespace=keys.namespace, index=7)).start()
-    assert dying.worker is not None and len(dying.worker.queues) == 2
-    taken = dying.worker.dequeue_job_and_maintain_ttl(timeout=5)
-    assert taken is not None and taken[0].id == request.request_id
-    assert redis_client.llen(f"rq:queue:{keys.rollout_queue}") == 0  # off the queue, not started: in flight
-    assert dying._reaper is not None
-    dying._reaper.stop()  # it died: nothing of it runs any more
-    dying._reaper = None
+    log_path = tmp_path / "taker.log"
+    dying = spawn("taker_proc.py", redis_server.url, keys.namespace, "7", log_path=log_path)
     try:
-        executors.append(ExecutorProcess(redis_server.url, keys.namespace, 0))  # a live executor, another name
-        wait_for("the job done by the live executor", lambda: jobs_done(redis_client, [request.request_id]), 60)
+        wait_for("the job taken", lambda: f"taken {request.request_id}" in log_path.read_text(), 60)
+        assert redis_client.llen(f"rq:queue:{keys.rollout_queue}") == 0  # off the queue, not started: in flight
     finally:
-        dying.stop()
+        os.kill(dying.pid, signal.SIGKILL)
+        assert dying.wait(10) == -signal.SIGKILL
+    executors.append(ExecutorProcess(redis_server.url, keys.namespace, 0))  # a live executor, another name
+    wait_for("the job done by the live executor", lambda: jobs_done(redis_client, [request.request_id]), 60)
     assert batch_counts(redis_client, keys, "p") == {request.batch_id: 1}
     (started,) = [e for e in rollout_events(redis_client, keys, "RolloutStarted") if e.request_id == request.request_id]
     assert started.executor.endswith("-executor-0") and started.attempt == 1  # put back, not a retry

@@ -41,3 +41,44 @@ def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 20.0, every
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(every_s)
+
+
+def parents() -> dict[int, int]:
+    """Every live process (no zombie) and its parent, from /proc."""
+    out: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            out[int(entry.name)] = int(fields[1])
+    return out
+
+
+def descendants(root: int) -> set[int]:
+    """The live processes started by ``root``, its children's children included (found by parent pid)."""
+    table = parents()
+    found: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, ppid in table.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs and is no zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
