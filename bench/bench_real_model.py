@@ -76,7 +76,7 @@ def figures(url: str, namespace: str, mode: str, warmup: int, wall_s: float) -> 
                         if isinstance(e, TrainStepDone)), key=lambda e: e.step)
         rollouts = [e for e in (decode(f) for _, f in page(client, keys.rollout_stream))
                     if isinstance(e, RolloutCompleted)]
-        applied = [e for e in (decode(f) for _, f in page(client, keys.weight_stream))
+        applied = [e for e in (decode(f) for _, f in page(client, keys.weight_stream("default")))
                    if isinstance(e, WeightsApplied) and e.version > 0]
     finally:
         client.close()
