@@ -42,7 +42,7 @@ if __package__ in (None, ""):
 from rollout_bus.events.connection import connect  # noqa: E402
 from rollout_bus.events.embedded import private_redis  # noqa: E402
 from rollout_bus.events.names import Keys  # noqa: E402
-from rollout_bus.events.paging import page  # noqa: E402
+from rollout_bus.events.paging import page, weight_streams  # noqa: E402
 from rollout_bus.events.schema import RolloutCompleted, TrainStepDone, WeightsApplied, decode  # noqa: E402
 from rollout_bus.launch.config import RunConfig  # noqa: E402
 from rollout_bus.launch.job import resolve_model, run_job, task_options  # noqa: E402
@@ -76,7 +76,7 @@ def figures(url: str, namespace: str, mode: str, warmup: int, wall_s: float) -> 
                         if isinstance(e, TrainStepDone)), key=lambda e: e.step)
         rollouts = [e for e in (decode(f) for _, f in page(client, keys.rollout_stream))
                     if isinstance(e, RolloutCompleted)]
-        applied = [e for e in (decode(f) for _, f in page(client, keys.weight_stream))
+        applied = [e for stream in weight_streams(client, keys) for e in (decode(f) for _, f in page(client, stream))
                    if isinstance(e, WeightsApplied) and e.version > 0]
     finally:
         client.close()

@@ -9,6 +9,13 @@ event: a reader that reacts to an event finds the registry already saying so.
 Blocking reads (``WeightsPublished`` and offload/onload commands) use their own
 threads through ``asyncio.to_thread`` with a short block, so stopping is prompt.
 
+Each policy has a weight stream of its own (``Keys.weight_stream``): the controller group reads every one
+(``WeightStreams``), found by SCAN when it starts and again every ``DISCOVER_EVERY_S``, so a policy whose
+trainer joins after the controller started is read from its first entry; and the legacy single stream, for
+the ``WeightsPublished`` an event log from before holds (for one release). A weights entry is handed to the
+updater as ``"<stream> <entry id>"``: ids of two streams may be equal. The controller's outcomes for a policy
+go on that policy's stream; those about no policy (a check request's close) on the base policy's.
+
 Registry writes carry the controller's fencing token (``fence``) and its lease owner
 (``holder``): a write refused because another controller took the lease raises ``Fenced`` and
 sets ``fenced``, which the leader runner takes as the signal to check the lease again. So does
@@ -27,16 +34,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from rollout_bus.events.connection import Redis
+from rollout_bus.events.connection import Guard, Redis
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message, stable_consumer_name
 from rollout_bus.events.errors import Fenced, RedisCommandError
-from rollout_bus.events.names import Keys, publication_key
-from rollout_bus.events.paging import page
+from rollout_bus.events.names import Keys, publication_key, weight_stream_policy
+from rollout_bus.events.paging import page, weight_streams
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import EngineRecord, PolicyRecord, Registry, fenced_error
 from rollout_bus.events.schema import Event, Producer, decode
@@ -45,13 +54,90 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 GROUP = "controller"
+DISCOVER_EVERY_S = 1.0
+"""How often the controller looks for weight streams it does not read yet (a policy's trainer that joined)."""
+
+
+class WeightStreams:
+    """The controller group's consumers on every weight stream (one ``Consumer`` each), read as one."""
+
+    def __init__(self, client: Redis, keys: Keys, name: str, config: ConsumerConfig, *,
+                 discover_every_s: float = DISCOVER_EVERY_S) -> None:
+        self.client = client
+        self.keys = keys
+        self.name = name
+        self.config = config
+        self.discover_every_s = discover_every_s
+        self.consumers: dict[str, Consumer] = {}
+        self.guard = Guard(client, name=f"consumer {GROUP}/{name} weights")
+        self._next_discovery = 0.0
+
+    def discover(self) -> list[str]:
+        """Start reading the weight streams that appeared since the last look; the new ones."""
+        self._next_discovery = time.monotonic() + self.discover_every_s
+        new = [s for s in weight_streams(self.client, self.keys, guard=self.guard) if s not in self.consumers]
+        for stream in new:
+            self.consumers[stream] = Consumer(self.client, self.keys, stream, GROUP, self.name, self.config)
+            log.info("reading weight stream %s", stream)
+        return new
+
+    def read(self) -> list[Message]:
+        """What any weight stream holds for this consumer (each id made ``"<stream> <id>"``); with nothing,
+        waits up to ``block_ms`` for a new entry on any of them."""
+        if time.monotonic() >= self._next_discovery:
+            self.discover()
+        out = [dataclasses.replace(m, id=handle(stream, m.id))
+               for stream, consumer in list(self.consumers.items()) for m in consumer.read(block_ms=0)]
+        block_ms = self.config.block_ms
+        if out or not block_ms:
+            return out
+        if not self.consumers:
+            time.sleep(block_ms / 1000)
+            return out
+        # a wake-up alone: what came is read through the group next time (an entry missed here waits one block)
+        self.guard.call(lambda c: c.xread({s: "$" for s in self.consumers}, block=block_ms, count=1))
+        return out
+
+    def misplaced(self, message: Message) -> str | None:
+        """Why ``message`` (a ``WeightsPublished``) is not on the stream it belongs to, or None: on a policy's
+        stream, a publication of another policy is refused whoever sent it (only that policy's trainer may
+        write there, and none may announce for another)."""
+        stream, _ = split_handle(message.id)
+        home = weight_stream_policy(self.keys, stream)
+        policy = getattr(message.event, "policy", None)
+        if home is None or policy == home:
+            return None
+        return f"a publication of policy {policy!r} on the weight stream of policy {home!r}: refused"
+
+    def dead_letter(self, message: Message, reason: str) -> None:
+        stream, entry_id = split_handle(message.id)
+        self.consumers[stream].dead_letter(entry_id, message.fields, reason, message.deliveries)
+
+    def ack(self, *handles: str) -> None:
+        by_stream: dict[str, list[str]] = {}
+        for h in handles:
+            stream, entry_id = split_handle(h)
+            by_stream.setdefault(stream, []).append(entry_id)
+        for stream, ids in by_stream.items():
+            self.consumers[stream].ack(*ids)
+
+
+def handle(stream: str, entry_id: str) -> str:
+    """How the controller names a weights entry: its stream and its id (no stream name holds a space)."""
+    return f"{stream} {entry_id}"
+
+
+def split_handle(value: str) -> tuple[str, str]:
+    stream, _, entry_id = value.rpartition(" ")
+    return stream, entry_id
 
 
 class ControllerBus:
     def __init__(self, client: Redis, keys: Keys, producer: Producer, instance: str, *,
-                 fence: int | None = None, holder: str | None = None) -> None:
+                 fence: int | None = None, holder: str | None = None, base_policy: str = "default") -> None:
         self.client = client
         self.keys = keys
+        self.base_policy = base_policy
         self.producer = producer
         self.registry = Registry(client, keys, fence=fence, holder=holder)
         self.fenced = asyncio.Event()
@@ -60,7 +146,7 @@ class ControllerBus:
         # A long claim idle: entries of a predecessor are claimed at takeover (``take_over``), not by idling
         config = ConsumerConfig(block_ms=200, count=16, claim_idle_ms=600_000, auto_ack=False)
         name = stable_consumer_name(f"controller-{instance}")
-        self.weights = Consumer(client, keys, keys.weight_stream, GROUP, name, config)
+        self.weights = WeightStreams(client, keys, name, config)
         self.commands = Consumer(client, keys, keys.command_stream, GROUP, name, config)
 
     # --- writes, in order, off the loop -----------------------------------------------------
@@ -94,8 +180,10 @@ class ControllerBus:
         await self.announce(self.keys.engine_stream, event, record)
 
     async def weights_event(self, event: Event, record: EngineRecord | None = None, *, durable: bool = False) -> None:
-        """An event on the weight stream; ``durable`` ones (``WeightVersionServing``) wait for the replicas."""
-        await self.announce(self.keys.weight_stream, event, record, durable=durable)
+        """An event on its policy's weight stream (about no policy: the base policy's); ``durable`` ones
+        (``WeightVersionServing``) wait for the replicas."""
+        policy = getattr(event, "policy", "") or self.base_policy
+        await self.announce(self.keys.weight_stream(policy), event, record, durable=durable)
 
     async def put_engines(self, records: Iterable[EngineRecord]) -> None:
         """Several engine records (no events) in one command: a health round's loads cost one write,
@@ -115,7 +203,7 @@ class ControllerBus:
     async def forget_publication(self, policy: str, version: int) -> None:
         """A refused version may be announced again: its publisher's dedupe key goes (before the refusal is
         published, so a trainer reacting to it is not deduplicated)."""
-        await self.call(lambda: self.publisher.forget(self.keys.weight_stream, publication_key(policy, version)))
+        await self.call(lambda: self.publisher.forget(self.keys.weight_stream(policy), publication_key(policy, version)))
 
     # --- reads ----------------------------------------------------------------------------
     async def trainer_lease_owner(self, policy: str) -> str | None:
@@ -130,14 +218,19 @@ class ControllerBus:
     async def ack_weights(self, *ids: str) -> None:
         await self.call(lambda: self.weights.ack(*ids))
 
+    async def dead_letter_weights(self, message: Message, reason: str) -> None:
+        """A weights entry that must not be acted on goes to the dead letters (and is acked), with ``reason``."""
+        await self.call(lambda: self.weights.dead_letter(message, reason))
+
     async def ack_commands(self, *ids: str) -> None:
         await self.call(lambda: self.commands.ack(*ids))
 
     async def take_over(self) -> int:
-        """Claim every entry pending in the controller group on the weights and commands streams (a
+        """Claim every entry pending in the controller group on the weight streams and the commands stream (a
         predecessor's included) for this instance's consumers, before their first read; how many."""
         def claim() -> int:
-            return sum(_claim_all(consumer) for consumer in (self.weights, self.commands))
+            self.weights.discover()
+            return sum(_claim_all(consumer) for consumer in (*self.weights.consumers.values(), self.commands))
         return await self.call(claim)
 
     async def snapshot(self) -> tuple[list[Event], dict[str, EngineRecord], dict[str, PolicyRecord]]:

@@ -85,7 +85,8 @@ class InferenceController:
         self.config = config.validate()
         keys = Keys(config.namespace)
         producer = Producer("controller", f"{config.instance}-{os.getpid()}")
-        bus = ControllerBus(client, keys, producer, config.instance, fence=fence, holder=holder)
+        bus = ControllerBus(client, keys, producer, config.instance, fence=fence, holder=holder,
+                           base_policy=config.base_policy)
         # no log directory given: a temporary one, removed again when the engines logging there are stopped
         self._temp_log_dir = not config.log_dir
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix=f"rollout-bus-engines-{config.namespace}-"))
@@ -398,6 +399,10 @@ class InferenceController:
             for msg in fresh:
                 if not isinstance(msg.event, WeightsPublished):
                     await self.core.bus.ack_weights(msg.id)
+                    continue
+                misplaced = self.core.bus.weights.misplaced(msg)
+                if misplaced is not None:
+                    await self.core.bus.dead_letter_weights(msg, misplaced)
                     continue
                 self.updater.inflight.add(msg.id)
                 await self.updater.submit(msg.event, msg.id)

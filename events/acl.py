@@ -21,9 +21,11 @@ What Redis ACLs cannot express, and is therefore not prevented here:
 - arguments: a role that may ``XADD`` to a stream may also pass ``MAXLEN 0`` and empty it;
 - event types: a colocated trainer sends offload and onload commands, so every trainer user may add any
   command (a scale, a weights check, another policy's offload) to the commands stream;
-- one stream shared by writers: ``weights`` (every trainer publishes there; the controller checks a
-  publication against its policy's lease holder), ``rollouts`` and ``trainers`` take any event from
-  any trainer, and any executor may add to every policy's batch stream;
+- one stream shared by writers: ``rollouts`` and ``trainers`` take any event from any trainer, and any
+  executor may add to every policy's batch stream. Weights are not shared: each policy has its own stream
+  (``Keys.weight_stream``) and a trainer user may add to its own policy's alone; on it, it may still add any
+  event type (the controller refuses a publication of another policy there, and checks every publication
+  against its policy's lease holder);
 - rq: a role that queues requests writes ``rq:job:`` hashes, so it names the function to run (the
   executor's worker refuses all but the rollout job, ``executor/rqjob.py``), and it may queue
   requests for any policy.
@@ -33,9 +35,10 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollout_bus.events.names import Keys
+from rollout_bus.events.names import Keys, publication_key
 
 _NS = "NS"
 _ANY = "ANY"
@@ -77,27 +80,34 @@ CONNECTION = ("@connection", "-@dangerous", "time", "script|load", "script|exist
 SCRIPTS = Grant((_pattern(_K.prefix + ":*"), "rq:*"), ("evalsha",), "every Lua script (events/*.py, executor/worker.py)")
 
 
+def _own(key: str) -> str:
+    """A key of one policy as a pattern over every namespace, the policy kept as it is (a policy may be called
+    ``ANY``: ``_pattern`` would widen it to every policy)."""
+    return key.replace(_K.prefix, "rb:{*}")
+
+
 def _stream_any(stream_of: str) -> str:
     return _pattern(_K.dedupe(stream_of, _ANY))
 
 
-def _consumer(stream: str, sent_by: str) -> tuple[Grant, ...]:
+def _consumer(stream: str, sent_by: str, pattern: Callable[[str], str] = _pattern) -> tuple[Grant, ...]:
     """A consumer group on ``stream`` (events/consume.py): read, ack, claim, and its registration and beat."""
     return (
-        Grant((_pattern(stream),), ("xreadgroup", "xack", "xautoclaim", "xclaim", "xgroup|create"), sent_by),
-        Grant((_pattern(_K.registered_groups(stream)), _pattern(_K.group_hosts(stream))), ("sadd", "hset"),
+        Grant((pattern(stream),), ("xreadgroup", "xack", "xautoclaim", "xclaim", "xgroup|create"), sent_by),
+        Grant((pattern(_K.registered_groups(stream)), pattern(_K.group_hosts(stream))), ("sadd", "hset"),
               "register_group (events/consume.py)"),
-        Grant((_pattern(_K.group_beats(stream)), _pattern(_K.group_ttls(stream))), ("zadd", "hset"),
+        Grant((pattern(_K.group_beats(stream)), pattern(_K.group_ttls(stream))), ("zadd", "hset"),
               "the group's beat and its TTL, from the consumer's beat thread (events/consume.py, events/groups.py)"),
-        Grant((_pattern(_K.expired_groups(stream)),), ("hdel",),
+        Grant((pattern(_K.expired_groups(stream)),), ("hdel",),
               "a consumer that recreated its expired group clears the janitor's record (events/consume.py)"),
     )
 
 
-def _publisher(streams: tuple[str, ...], dedupe: tuple[str, ...], sent_by: str) -> tuple[Grant, ...]:
+def _publisher(streams: tuple[str, ...], dedupe: tuple[str, ...], sent_by: str,
+               pattern: Callable[[str], str] = _pattern) -> tuple[Grant, ...]:
     """Publishing (events/publish.py, events/batches.py): XADD, the dedupe key and the producer's sequence
     number, in one script; a durable write that waits for its replicas says so in the durability status."""
-    return (Grant(tuple(_pattern(s) for s in streams), ("xadd",), sent_by),
+    return (Grant(tuple(pattern(s) for s in streams), ("xadd",), sent_by),
             Grant(dedupe, ("set",), "the dedupe key of each publish (events/publish.py)"),
             Grant((_pattern(_K.producer_seqs),), ("hset",), "each producer's last sequence number (events/publish.py)"),
             Grant((_pattern(_K.durability_status),), ("hset", "hdel"),
@@ -121,12 +131,14 @@ def _sessions(sent_by: str) -> tuple[Grant, ...]:
 
 def controller() -> Role:
     k = _K
+    weights = k.weight_stream(_ANY)
     return Role("controller", "CONTROLLER_PASSWORD", (
-        *_publisher((k.engine_stream, k.weight_stream, k.housekeeping_stream, k.dead_letters),
-                    (_stream_any(k.engine_stream), _stream_any(k.weight_stream), _stream_any(k.housekeeping_stream)),
+        *_publisher((k.engine_stream, weights, k.housekeeping_stream, k.dead_letters),
+                    (_stream_any(k.engine_stream), _stream_any(weights), _stream_any(k.housekeeping_stream)),
                     "engine and weight outcomes (controller/bus.py), the janitor's report (events/janitor.py), "
                     "dead letters (events/consume.py)"),
-        *_consumer(k.weight_stream, "publications (controller/bus.py)"),
+        *_consumer(weights, "publications on every policy's weight stream (controller/bus.py)"),
+        *_consumer(k.legacy_weight_stream, "publications an event log from before holds (controller/bus.py)"),
         *_consumer(k.command_stream, "offload and onload commands (controller/bus.py)"),
         Grant((_pattern(k.engine_registry), _pattern(k.policy_registry)), ("hset", "hdel", "hincrby"),
               "the engine and policy registry (events/registry.py)"),
@@ -135,7 +147,7 @@ def controller() -> Role:
               "the controller lease, its fencing counter, the counter's holder and the server run that handed it "
               "out (controller/lease.py)"),
         Grant((_pattern(k.bus_epoch),), ("set",), "the bus epoch, created once (events/epoch.py, controller/cli.py)"),
-        Grant((_stream_any(k.weight_stream),), ("del",),
+        Grant((_stream_any(weights),), ("del",),
               "a publication refused for good may be announced again (controller/bus.py forget_publication)"),
         Grant((_pattern(k.prefix + ":stream:*"),), ("xtrim", "xgroup|destroy"),
               "the janitor: retention and expired groups (events/janitor.py, events/retention.py)"),
@@ -186,18 +198,18 @@ def trainer(policy: str = TRAINER_POLICY) -> Role:
     own = policy == TRAINER_POLICY
     var = "TRAINER_PASSWORD" if own else f"TRAINER_{re.sub('[^A-Z0-9]', '_', policy.upper())}_PASSWORD"
     return Role("trainer" if own else f"trainer-{policy}", var, (
-        *_publisher((k.weight_stream, k.trainer_stream, k.rollout_stream, k.dead_letters, k.command_stream),
-                    (_pattern(k.dedupe(k.weight_stream, f"weights.{policy}.{_ANY}")), _stream_any(k.trainer_stream),
-                     _stream_any(k.rollout_stream), _stream_any(k.command_stream)),
-                    "publications (trainer/weights.py), trainer events (trainer/client.py, trainer/service.py), "
-                    "rollout requests (events/submit.py), dead letters (events/consume.py), offload and onload "
-                    "commands of a colocated trainer (trainer/colocate.py)"),
-        *_consumer(batches, "its policy's batches (trainer/client.py, trainer/recorder.py)"),
-        Grant((_pattern(k.payload(f"{policy}:{_ANY}")), _pattern(k.payload_readers(f"{policy}:{_ANY}"))),
+        *_publisher((k.weight_stream(policy), k.trainer_stream, k.rollout_stream, k.dead_letters, k.command_stream),
+                    (_own(k.dedupe(k.weight_stream(policy), publication_key(policy, 0)[:-1])) + "*",
+                     _stream_any(k.trainer_stream), _stream_any(k.rollout_stream), _stream_any(k.command_stream)),
+                    "publications on its policy's weight stream (trainer/weights.py), trainer events (trainer/client.py, "
+                    "trainer/service.py), rollout requests (events/submit.py), dead letters (events/consume.py), "
+                    "offload and onload commands of a colocated trainer (trainer/colocate.py)", _own),
+        *_consumer(batches, "its policy's batches (trainer/client.py, trainer/recorder.py)", _own),
+        Grant((_own(k.payload(f"{policy}:")) + "*", _own(k.payload_readers(f"{policy}:")) + "*"),
               ("del", "srem"), "releasing its policy's payloads once read (events/batches.py)"),
         Grant((_pattern(k.payload_index),), ("zrem",), "releasing a payload (events/batches.py)"),
         Grant((_pattern(k.payload_stores),), ("hdel",), "releasing a payload (events/batches.py)"),
-        Grant((_pattern(k.trainer_lease(policy)),), ("hset", "hdel", "del", "pexpire"),
+        Grant((_own(k.trainer_lease(policy)),), ("hset", "hdel", "del", "pexpire"),
               "its policy's trainer lease (trainer/lease.py)"),
         Grant(("rq:job:*",), ("hset",), "queueing a rollout request (events/submit.py, rq)"),
         Grant((f"rq:queue:{_pattern(k.rollout_queue).replace(_NS, '*')}",), ("rpush",),

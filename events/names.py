@@ -128,9 +128,16 @@ class Keys:
         """Engine lifecycle events, written by the controller."""
         return self._k("stream", "engines")
 
+    def weight_stream(self, policy: str) -> str:
+        """One policy's weights: its trainer's ``WeightsPublished`` and the controller's outcomes for it (applied,
+        serving, failed, checked). One stream per policy, so that a trainer's ACL user may add to its own alone."""
+        return self._k("stream", "weights", check_name("policy", policy))
+
     @property
-    def weight_stream(self) -> str:
-        """WeightsPublished (trainers) and weight-update outcomes (controller)."""
+    def legacy_weight_stream(self) -> str:
+        """The single weights stream of every policy, before each had its own: nothing writes it any more; the
+        controller still applies the ``WeightsPublished`` it holds (an event log from before, imported) for one
+        release. It goes in the release after."""
         return self._k("stream", "weights")
 
     @property
@@ -177,7 +184,9 @@ class Keys:
         return self._k("stream", "evals")
 
     def event_streams(self) -> list[str]:
-        return [self.engine_stream, self.weight_stream, self.command_stream, self.rollout_stream,
+        """The streams of fixed name (the legacy weights stream among them); a policy's batch and weight streams are
+        found by their patterns (``events.paging.discover_streams``)."""
+        return [self.engine_stream, self.legacy_weight_stream, self.command_stream, self.rollout_stream,
                 self.trainer_stream, self.housekeeping_stream, self.session_stream, self.scaling_stream,
                 self.eval_stream]
 
@@ -328,11 +337,14 @@ def publication_key(policy: str, version: int) -> str:
 
 BATCHES = "batches/"
 """Prefix of the logical name of a policy's batch stream: ``batches/<policy>``."""
+WEIGHTS = "weights/"
+"""Prefix of the logical name of a policy's weight stream: ``weights/<policy>`` (``weights`` alone is the legacy
+stream of every policy, ``Keys.legacy_weight_stream``)."""
 
 
 def _fixed_streams(keys: Keys) -> dict[str, str]:
     return {
-        "engines": keys.engine_stream, "weights": keys.weight_stream, "commands": keys.command_stream,
+        "engines": keys.engine_stream, "weights": keys.legacy_weight_stream, "commands": keys.command_stream,
         "rollouts": keys.rollout_stream, "trainers": keys.trainer_stream, "dead-letters": keys.dead_letters,
         "housekeeping": keys.housekeeping_stream, "sessions": keys.session_stream, "scaling": keys.scaling_stream,
         "evals": keys.eval_stream,
@@ -345,8 +357,11 @@ def logical_stream(keys: Keys, key: str) -> str:
         if stream == key:
             return name
     policy = key.rsplit(":", 1)[-1]
-    if keys.batch_stream(policy) == key:
-        return BATCHES + policy
+    if name_problem("policy", policy) is None:
+        if keys.batch_stream(policy) == key:
+            return BATCHES + policy
+        if keys.weight_stream(policy) == key:
+            return WEIGHTS + policy
     raise ValueError(f"{key!r} is not a stream of namespace {keys.namespace!r}")
 
 
@@ -354,6 +369,8 @@ def stream_key(keys: Keys, logical: str) -> str:
     """The Redis key of logical stream ``logical`` in ``keys``' namespace."""
     if logical.startswith(BATCHES):
         return keys.batch_stream(logical[len(BATCHES):])
+    if logical.startswith(WEIGHTS):
+        return keys.weight_stream(logical[len(WEIGHTS):])
     try:
         return _fixed_streams(keys)[logical]
     except KeyError:
@@ -364,3 +381,16 @@ def batch_stream_pattern(keys: Keys) -> str:
     """A SCAN pattern matching every batch stream of the namespace."""
     probe = keys.batch_stream("_")
     return probe[: -len("_")] + "*"
+
+
+def weight_stream_pattern(keys: Keys) -> str:
+    """A SCAN pattern matching every policy's weight stream of the namespace (not the legacy one)."""
+    probe = keys.weight_stream("_")
+    return probe[: -len("_")] + "*"
+
+
+def weight_stream_policy(keys: Keys, key: str) -> str | None:
+    """The policy whose weight stream ``key`` is; None for any other key (the legacy stream included)."""
+    head = keys.weight_stream("_")[: -len("_")]
+    policy = key[len(head):] if key.startswith(head) else ""
+    return policy if name_problem("policy", policy) is None else None

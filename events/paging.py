@@ -8,7 +8,13 @@ from typing import Any, NamedTuple
 import redis
 
 from rollout_bus.events.connection import Guard, as_str
-from rollout_bus.events.names import REGISTRY_GENERATION, Keys, batch_stream_pattern
+from rollout_bus.events.names import (
+    REGISTRY_GENERATION,
+    Keys,
+    batch_stream_pattern,
+    weight_stream_pattern,
+    weight_stream_policy,
+)
 
 
 def id_at(ms: int) -> str:
@@ -41,7 +47,8 @@ def page_since(client: redis.Redis, stream: str, since_ms: int, until_ms: int | 
 
 
 def discover_streams(client: redis.Redis, keys: Keys, *, guard: Guard | None = None) -> list[str]:
-    """Every existing stream of the namespace: the fixed ones, then each policy's batch stream."""
+    """Every existing stream of the namespace: the fixed ones, then each policy's weight stream, then each
+    policy's batch stream."""
     def run(c: redis.Redis) -> list[str]:
         found = [st for st in (*keys.event_streams(), keys.dead_letters) if c.exists(st)]
         batch = {as_str(raw) for raw in c.scan_iter(match=batch_stream_pattern(keys), count=1000, _type="stream")}
@@ -51,8 +58,24 @@ def discover_streams(client: redis.Redis, keys: Keys, *, guard: Guard | None = N
             candidate = keys.batch_stream(as_str(raw))
             if c.exists(candidate):
                 batch.add(candidate)
-        return found + sorted(batch)
+        return found + _weight_streams(c, keys) + sorted(batch)
     return (guard or Guard(client, name="export")).call(run)
+
+
+def weight_streams(client: redis.Redis, keys: Keys, *, legacy: bool = True,
+                   guard: Guard | None = None) -> list[str]:
+    """Every existing weight stream of the namespace, in name order: each policy's, found by SCAN (a policy
+    whose trainer joined a minute ago has one as soon as it published), and the legacy stream first when it
+    exists and ``legacy``."""
+    def run(c: redis.Redis) -> list[str]:
+        old = [keys.legacy_weight_stream] if legacy and c.exists(keys.legacy_weight_stream) else []
+        return old + _weight_streams(c, keys)
+    return (guard or Guard(client, name="weight streams")).call(run)
+
+
+def _weight_streams(c: redis.Redis, keys: Keys) -> list[str]:
+    found = {as_str(raw) for raw in c.scan_iter(match=weight_stream_pattern(keys), count=1000, _type="stream")}
+    return sorted(s for s in found if weight_stream_policy(keys, s) is not None)  # a key named so by hand: not
 
 
 class StreamEntry(NamedTuple):

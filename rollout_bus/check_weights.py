@@ -2,7 +2,7 @@
 
 It sends a ``CheckWeights`` command on the commands stream (so it needs a Redis user that may write it:
 the read-only ``status`` user may not) and reads the controller's ``WeightsChecked`` answers to it from
-the weights stream, until the one that closes the request (``done``, or ``refused`` with the reason).
+every policy's weight stream, until the one that closes the request (``done``, or ``refused`` with the reason).
 Exit status: 0 every checked engine matches, 1 a mismatch (that engine left the serving set) or no
 answer in time, 2 bad input (an engine id the registry does not know) or a refused command.
 """
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from rollout_bus.events.connection import Redis
 from rollout_bus.events.errors import DecodeError, RedisCommandError
 from rollout_bus.events.names import Keys
-from rollout_bus.events.paging import page
+from rollout_bus.events.paging import page, weight_streams
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import Registry
 from rollout_bus.events.schema import CheckWeights, Producer, WeightsChecked, decode
@@ -45,23 +45,33 @@ def ask(client: Redis, keys: Keys, engine_ids: Sequence[str] | None, timeout_s: 
         return 2, []
     answers: list[WeightsChecked] = []
     deadline = time.monotonic() + timeout_s
-    cursor = start.split("-")[0] + "-0"
+    start_at = start.split("-")[0] + "-0"
+    cursors: dict[str, str] = {}
+    closing: WeightsChecked | None = None
     while time.monotonic() < deadline:
-        for entry_id, fields in page(client, keys.weight_stream, cursor):
-            cursor = "(" + entry_id
-            try:
-                event = decode(fields)
-            except DecodeError:
-                continue
-            if not isinstance(event, WeightsChecked) or event.request_id != command.request_id:
-                continue
-            if event.outcome == "refused":
-                print(f"the controller refused the check: {event.reason}", file=sys.stderr)
-                return 2, answers
-            if event.outcome == "done":
-                return (1 if any(a.outcome == "mismatch" for a in answers) else 0), answers
-            answers.append(event)
-        time.sleep(0.1)
+        # the answers go on each policy's weight stream, the close on the base policy's: once the close is seen,
+        # one more pass takes every answer (each was written before it)
+        final = closing is not None
+        for stream in weight_streams(client, keys, legacy=False):
+            for entry_id, fields in page(client, stream, cursors.get(stream, start_at)):
+                cursors[stream] = "(" + entry_id
+                try:
+                    event = decode(fields)
+                except DecodeError:
+                    continue
+                if not isinstance(event, WeightsChecked) or event.request_id != command.request_id:
+                    continue
+                if event.outcome in CLOSING:
+                    closing = event
+                else:
+                    answers.append(event)
+        if closing is not None and closing.outcome == "refused":
+            print(f"the controller refused the check: {closing.reason}", file=sys.stderr)
+            return 2, answers
+        if closing is not None and final:
+            return (1 if any(a.outcome == "mismatch" for a in answers) else 0), answers
+        if closing is None:
+            time.sleep(0.1)
     print(f"no complete answer from the controller within {timeout_s:g} s (is one running?)", file=sys.stderr)
     return 1, answers
 

@@ -130,7 +130,7 @@ class WeightPublisher:
 
     def _announced(self, version: int) -> bool:
         """Whether ``version`` was announced: its ``WeightsPublished`` dedupe key, or the controller's record."""
-        if self.publisher.entry_for(self.keys.weight_stream, self._publish_key(version)) is not None:
+        if self.publisher.entry_for(self.keys.weight_stream(self.policy), self._publish_key(version)) is not None:
             return True
         return self.published_version() >= version
 
@@ -165,7 +165,7 @@ class WeightPublisher:
         uri = str(directory.resolve())
         event = WeightsPublished(producer=self.publisher.producer, policy=self.policy, version=version,
                                  uri=uri, sha256=digest)
-        entry_id = self.publisher.publish(self.keys.weight_stream, event, idempotency_key=self._publish_key(version),
+        entry_id = self.publisher.publish(self.keys.weight_stream(self.policy), event, idempotency_key=self._publish_key(version),
                                           durable=True, lease=self.lease.fence if self.lease is not None else None)
         log.debug("published %s v%d (%s)", self.policy, version, entry_id)
         self._published.append(version)
@@ -211,7 +211,7 @@ class WeightPublisher:
                 raise ServingTimeout(f"{self.policy} v{version} not served after {timeout_s:.1f}s "
                                      f"(serving v{self.serving_version()})")
             block_ms = max(1, int(min(remaining, 1.0) * 1000))
-            reply: Any = self.guard.call(partial(_xread, stream=self.keys.weight_stream, after=cursor,
+            reply: Any = self.guard.call(partial(_xread, stream=self.keys.weight_stream(self.policy), after=cursor,
                                                  block_ms=block_ms))
             for _, entry_id, fields in stream_entries(reply):
                 cursor = entry_id
@@ -230,7 +230,7 @@ class WeightPublisher:
     def _follow_settled(self) -> None:
         """Fold what the controller settled since the last look: the served version, versions given up."""
         while True:
-            reply: Any = self.guard.call(partial(_xread, stream=self.keys.weight_stream, after=self._settled_cursor,
+            reply: Any = self.guard.call(partial(_xread, stream=self.keys.weight_stream(self.policy), after=self._settled_cursor,
                                                  block_ms=0, count=500))
             entries = stream_entries(reply)
             for _, entry_id, fields in entries:

@@ -25,6 +25,7 @@ from rollout_bus.events import processes
 from rollout_bus.events.connection import Guard, ReconnectPolicy, connect
 from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import weight_streams
 from rollout_bus.events.registry import EngineState, Registry
 from rollout_bus.events.schema import TrainStepDone, decode
 from rollout_bus.launch.config import RunConfig
@@ -104,7 +105,7 @@ class Pause:
         _wait("the old leader standing by", lambda: "handed over" in leader.log_path.read_text(errors="replace"), 30)
         assert holder_pid() == standby.pid
         self.evidence["late"] = [  # what the old leader wrote from its pause to standing by again
-            e for stream in (keys.engine_stream, keys.weight_stream)
+            e for stream in (keys.engine_stream, *weight_streams(guard.client, keys))
             for e in (decode(f) for _, f in guard.call(lambda c, s=stream: c.xrange(s)))  # type: ignore[misc]
             if e.producer.instance == old_producer and e.ts_ms > paused_ms]
         self.evidence.update(old_token=old_token, new_token=new_token)

@@ -42,6 +42,7 @@ from tests.support.controller_driver import (
     publish_weights,
     read_events,
     wait_until_async,
+    weight_events,
     write_version,
 )
 from tests.support.models import tiny_adapter
@@ -232,7 +233,7 @@ def test_a_started_engine_gets_the_newest_base_version_and_the_adapter_before_it
             publish_weights(redis_client, keys, "math", 2, str(adapter_dir), adapter_sha)
             for policy in ("default", "math"):
                 await wait_until_async(f"{policy} served", lambda p=policy: find(  # type: ignore[misc]
-                    read_events(redis_client, keys.weight_stream), WeightVersionServing, policy=p), 30)
+                    weight_events(redis_client, keys), WeightVersionServing, policy=p), 30)
             send(redis_client, keys, ScaleEngines(producer=ASKER, policy="default", count="+1", request_id="up"))
             await wait_until_async("the scale answered", lambda: any(
                 e.outcome in ("done", "failed") for e in scaled(redis_client, keys, "up")), 60)

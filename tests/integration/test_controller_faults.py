@@ -40,6 +40,7 @@ from tests.support.controller_driver import (
     read_events,
     wait_until,
     wait_until_async,
+    weight_events,
     write_version,
 )
 
@@ -72,7 +73,7 @@ def test_a_killed_or_hung_engine_is_replaced_and_gets_the_latest_weights_before_
             assert launch is not None and (launch.published, launch.serving, launch.uri) == (0, 0, "")
             publish_weights(redis_client, keys, "default", 1, str(v1), sha)
             await wait_until_async("v1 serving", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=1), 15)
+                weight_events(redis_client, keys), WeightVersionServing, version=1), 15)
             for engine_id, sig in (("engine-0", signal.SIGKILL), ("engine-1", signal.SIGSTOP)):
                 h = ctl.engines[engine_id]
                 old_pid = h.record.pid
@@ -88,7 +89,7 @@ def test_a_killed_or_hung_engine_is_replaced_and_gets_the_latest_weights_before_
                                                     EngineReady, EngineServing]
                 ready, serving = after[3], after[4]
                 assert serving.versions == {"default": 1}  # type: ignore[attr-defined]
-                applied = find(read_events(redis_client, keys.weight_stream), WeightsApplied, engine_id=engine_id,
+                applied = find(weight_events(redis_client, keys), WeightsApplied, engine_id=engine_id,
                                version=1)
                 assert ready.ts_ms <= applied[-1].ts_ms <= serving.ts_ms
                 status, info = call(h.record.url + "/model_info")
@@ -128,13 +129,13 @@ def test_an_engine_that_dies_under_a_weight_update_does_not_hold_back_the_others
                 engine_events(redis_client, keys, "engine-1")[seen:], EngineLaunching), 15)
             publish_weights(redis_client, keys, "default", 2, str(versions[2][0]), versions[2][1])
             await wait_until_async("v2 on engine-0", lambda: find(read_events(
-                redis_client, keys.weight_stream), WeightsApplied, engine_id="engine-0", version=2), 15)
+                redis_client, keys.weight_stream("default")), WeightsApplied, engine_id="engine-0", version=2), 15)
             back = find(engine_events(redis_client, keys, "engine-1")[seen:], EngineServing)
             assert not back, "engine-0 got v2 only once engine-1 had relaunched"
             await wait_until_async("engine-1 back", lambda: find(
                 engine_events(redis_client, keys, "engine-1")[seen:], EngineServing), 30)
             await wait_until_async("v2 serving", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=2), 15)
+                weight_events(redis_client, keys), WeightVersionServing, version=2), 15)
             assert dead.record.versions == {"default": 2} and dead.record.pid != old_pid
         finally:
             await ctl.stop()
@@ -212,7 +213,7 @@ def test_a_new_controller_adopts_the_engines_of_a_killed_one_without_duplicates(
     v1, sha = write_version(base, root / "default" / "v1", seed=1)
     publish_weights(redis_client, keys, "default", 1, str(v1), sha)
     wait_until("v1 serving after the takeover", lambda: find(
-        read_events(redis_client, keys.weight_stream), WeightVersionServing, version=1), 15)
+        weight_events(redis_client, keys), WeightVersionServing, version=1), 15)
     for record in registry.engines().values():
         assert call(record.url + "/model_info")[1]["weight_version"] == "1"
 

@@ -30,7 +30,14 @@ from rollout_bus.events.registry import EngineState, Registry
 from rollout_bus.events.schema import EngineRestarting, EngineUnhealthy, WeightVersionServing
 from tests.engine_proc import make_weights_dir
 from tests.integration.test_controller_faults import engine_pids, spawn_controller
-from tests.support.controller_driver import find, publish_weights, read_events, wait_until, write_version
+from tests.support.controller_driver import (
+    find,
+    publish_weights,
+    read_events,
+    wait_until,
+    weight_events,
+    write_version,
+)
 
 pytestmark = pytest.mark.integration
 API_KEY = "fence-test-key"
@@ -141,7 +148,7 @@ def test_after_redis_lost_its_keys_the_controller_keeps_its_engine_fences_above_
 
 
 def consumer_of_pending(client: redis.Redis, keys: Keys) -> list[str]:
-    rows = client.xpending_range(keys.weight_stream, "controller", min="-", max="+", count=10)
+    rows = client.xpending_range(keys.weight_stream("default"), "controller", min="-", max="+", count=10)
     return [r["consumer"].decode() for r in rows]
 
 
@@ -169,7 +176,7 @@ def test_a_standby_serves_the_version_its_dead_predecessor_had_read_within_secon
     os.kill(a.pid, signal.SIGKILL)  # dies after reading WeightsPublished, before it served it
     assert a.wait(10) == -signal.SIGKILL
     os.kill(pid, signal.SIGCONT)
-    assert not find(read_events(redis_client, keys.weight_stream), WeightVersionServing, version=1)
+    assert not find(weight_events(redis_client, keys), WeightVersionServing, version=1)
 
     def holder_pid() -> str:
         raw = redis_client.get(keys.controller_lease)
@@ -178,7 +185,7 @@ def test_a_standby_serves_the_version_its_dead_predecessor_had_read_within_secon
     wait_until("the standby takes the lease", lambda: holder_pid() == str(b.pid), 30)
     took_over = time.monotonic()
     wait_until("v1 served by the standby", lambda: find(
-        read_events(redis_client, keys.weight_stream), WeightVersionServing, version=1), 30)
+        weight_events(redis_client, keys), WeightVersionServing, version=1), 30)
     served_after = time.monotonic() - took_over
     print(f"v1 served {served_after:.2f}s after the standby took the lease")
     assert served_after < 20  # the trainer waits 60 s; a claim after 600 s idle never made it

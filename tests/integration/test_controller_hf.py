@@ -22,7 +22,7 @@ from rollout_bus.executor.engines import EngineCaller, EngineRouter, EngineTime
 from rollout_bus.lm import hf
 from rollout_bus.trainer.weights import WeightPublisher
 from tests.engine_proc import call
-from tests.support.controller_driver import find, read_events, wait_until_async
+from tests.support.controller_driver import find, wait_until_async, weight_events
 from tests.support.models import LLAMA_TARGETS, llama_dir, lora
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -63,7 +63,7 @@ def test_a_sharded_version_and_an_adapter_version_reach_both_engines_before_they
                                                      max_shard_size="60KB"))
             published.append(await asyncio.to_thread(adapter.publish, tuned, 1))
             await wait_until_async("both versions served", lambda: len(find(
-                read_events(redis_client, keys.weight_stream), WeightVersionServing)) == 2, 60)
+                weight_events(redis_client, keys), WeightVersionServing)) == 2, 60)
             router = EngineRouter(Registry(redis_client, keys))
             caller = EngineCaller(router)
             params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -81,7 +81,7 @@ def test_a_sharded_version_and_an_adapter_version_reach_both_engines_before_they
     published_full, published_adapter = published
     assert len(list(Path(published_full.uri).glob("model-*-of-*.safetensors"))) >= 4
     assert [(version, ids[1:]) for version, ids in seen] == [("1", ["math@v1"])] * 2
-    events = read_events(redis_client, keys.weight_stream)
+    events = weight_events(redis_client, keys)
     engine_ids = {r.engine_id for r in records}
     assert engine_ids == {"engine-0", "engine-1"}
     assert announced_after_every_engine_applied(events, "default", 1, engine_ids)

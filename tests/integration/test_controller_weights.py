@@ -49,6 +49,7 @@ from tests.support.controller_driver import (
     publish_weights,
     read_events,
     wait_until_async,
+    weight_events,
     write_version,
 )
 from tests.support.models import tiny_adapter
@@ -111,7 +112,7 @@ def test_a_weight_update_reaches_all_three_engines_while_requests_are_in_flight(
             assert not any(r.done() for r in requests)
             publish_weights(redis_client, keys, "default", version, str(new_dir), sha)
             await wait_until_async("WeightVersionServing", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=version), 15)
+                weight_events(redis_client, keys), WeightVersionServing, version=version), 15)
             return list(await asyncio.wait_for(asyncio.gather(*requests), 15))
         finally:
             await ctl.stop()
@@ -126,7 +127,7 @@ def test_a_weight_update_reaches_all_three_engines_while_requests_are_in_flight(
         assert all(len(r["output_ids"]) == 40 for r in replies)
     for engine in engines:
         assert engine.get("/model_info")[1]["weight_version"] == str(version)
-    applied = find(read_events(redis_client, keys.weight_stream), WeightsApplied, version=version)
+    applied = find(weight_events(redis_client, keys), WeightsApplied, version=version)
     assert len(applied) == 3
     records = Registry(redis_client, keys).engines()
     assert {r.versions["default"] for r in records.values()} == {version}
@@ -162,13 +163,13 @@ def test_bad_weights_are_refused_and_engines_keep_serving_the_old_version(
         try:
             publish_weights(redis_client, keys, "default", version, uri, sha)
             await wait_until_async("a WeightUpdateFailed per engine", lambda: len(find(
-                read_events(redis_client, keys.weight_stream), WeightUpdateFailed, version=version)) == 3, 15)
+                weight_events(redis_client, keys), WeightUpdateFailed, version=version)) == 3, 15)
             await asyncio.sleep(0.2)
         finally:
             await ctl.stop()
 
     asyncio.run(scenario())
-    events = read_events(redis_client, keys.weight_stream)
+    events = weight_events(redis_client, keys)
     failures = find(events, WeightUpdateFailed, version=version)
     keyword = {"checksum mismatch": "manifest mismatch", "missing file": "missing", "wrong shapes": "wrong shapes",
                "outside the root": "outside the weights root",
@@ -203,7 +204,7 @@ def test_offloaded_engines_leave_serving_and_onload_brings_them_back_on_the_late
             # Weights published meanwhile reach the engines still serving, not the offloaded one.
             publish_weights(redis_client, keys, "default", version, str(new_dir), sha)
             await wait_until_async("v serving", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=version), 10)
+                weight_events(redis_client, keys), WeightVersionServing, version=version), 10)
             assert engines[0].get("/model_info")[1]["weight_version"] != str(version)
             results = await ctl.onload(["weights", "kv_cache"])
             assert results[adopted(engines[0])] == "ok"
@@ -243,7 +244,7 @@ def test_an_adopted_engine_that_dies_leaves_serving_and_comes_back_with_the_late
         try:
             publish_weights(redis_client, keys, "default", version, str(new_dir), sha)
             await wait_until_async("v serving", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightVersionServing, version=version), 10)
+                weight_events(redis_client, keys), WeightVersionServing, version=version), 10)
             victim.kill()  # SIGKILL by pid; whoever launched it restarts it, not the controller
             await wait_until_async("EngineUnhealthy", lambda: find(own_events(), EngineUnhealthy), 10)
             assert Registry(redis_client, keys).engines()[engine_id].state == EngineState.UNHEALTHY
@@ -278,10 +279,10 @@ def test_an_adapter_policy_is_loaded_beside_the_base_and_full_weights_without_a_
         try:
             publish_weights(redis_client, keys, "math", version, str(full_dir), full_sha)
             await wait_until_async("the refusal", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightUpdateFailed, policy="math"), 10)
+                weight_events(redis_client, keys), WeightUpdateFailed, policy="math"), 10)
             publish_weights(redis_client, keys, "math", version + 1, str(adapter_dir), sha)
             await wait_until_async("math served", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightVersionServing, policy="math"), 15)
+                weight_events(redis_client, keys), WeightVersionServing, policy="math"), 15)
             record = next(iter(Registry(redis_client, keys).engines().values()))
             client = EngineClient(record.url)
             params = {"max_new_tokens": 4, "temperature": 0.0}
@@ -292,7 +293,7 @@ def test_an_adapter_policy_is_loaded_beside_the_base_and_full_weights_without_a_
 
     try:
         with_adapter, base = asyncio.run(scenario())
-        events = read_events(redis_client, keys.weight_stream)
+        events = weight_events(redis_client, keys)
         refused = find(events, WeightUpdateFailed, policy="math", version=version)
         assert len(refused) == 3 and all("no engine pool runs it as its base" in e.reason  # type: ignore[attr-defined]
                                          for e in refused)
@@ -333,7 +334,7 @@ def test_a_new_controller_reads_adapter_versions_from_the_engines_and_pushes_not
         for record in Registry(redis_client, keys).engines().values():
             assert record.versions == {"default": int(base[record.url]), "code": version}
             assert record.lora_path("code") == f"code@v{version}"
-        assert not find(read_events(redis_client, keys.weight_stream), WeightsApplied)
+        assert not find(weight_events(redis_client, keys), WeightsApplied)
         for engine in engines:  # the stale name of the same policy was unloaded, the current one kept
             assert engine.state()["adapters"] == [f"code@v{version}"]
             assert engine.get("/model_info")[1]["weight_version"] == base[engine.url]
@@ -423,10 +424,10 @@ def test_an_adapter_the_engine_fails_on_is_a_refused_version_and_the_engine_is_n
             pid = ctl.engines["engine-0"].record.pid
             publish_weights(redis_client, keys, "math", 1, str(broken), read_manifest(broken)[1])
             await wait_until_async("the refusal", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightUpdateFailed, policy="math", version=1), 15)
+                weight_events(redis_client, keys), WeightUpdateFailed, policy="math", version=1), 15)
             publish_weights(redis_client, keys, "math", 2, str(good), read_manifest(good)[1])
             await wait_until_async("v2 serving", lambda: find(
-                read_events(redis_client, keys.weight_stream), WeightVersionServing, policy="math", version=2), 15)
+                weight_events(redis_client, keys), WeightVersionServing, policy="math", version=2), 15)
             await asyncio.sleep(0.5)  # a few more health rounds
             record = Registry(redis_client, keys).engines()["engine-0"]
             reply = await EngineClient(record.url).generate([1, 5, 6], {"max_new_tokens": 4, "temperature": 0.0})
@@ -435,10 +436,58 @@ def test_an_adapter_the_engine_fails_on_is_a_refused_version_and_the_engine_is_n
             await ctl.stop()
 
     pid_before, pid_after, reply = asyncio.run(scenario())
-    (refused,) = find(read_events(redis_client, keys.weight_stream), WeightUpdateFailed, policy="math", version=1,
+    (refused,) = find(weight_events(redis_client, keys), WeightUpdateFailed, policy="math", version=1,
                       engine_id="engine-0")
     assert "HTTP 500 loading adapter math@v1" in refused.reason  # type: ignore[attr-defined]
     assert "still generates on its base weights" in refused.reason  # type: ignore[attr-defined]
     assert not own(EngineUnhealthy) and not own(EngineRestarting)
     assert pid_before is not None and pid_before == pid_after
     assert len(reply["output_ids"]) == 4
+
+
+def test_each_policy_s_weight_stream_is_applied_a_policy_that_appears_later_too_and_the_legacy_stream_still(
+        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        engines: list[EngineProcess]) -> None:
+    """Two policies publish on their own weight streams, one of them (an adapter policy) only after the controller
+    started and read the others; a publication on the legacy stream of before is still applied; a publication
+    of one policy on another's stream is dead-lettered and never applied. Each outcome goes on its policy's stream."""
+    version, legacy = next(_versions), next(_versions)
+    full_dir, full_sha = write_version(root / "base", root / "default" / f"v{version}", seed=version)
+    legacy_dir, legacy_sha = write_version(root / "base", root / "default" / f"v{legacy}", seed=legacy)
+    adapter_dir = tiny_adapter(root / "late" / "v1", seed=7, policy="late", version=1)
+    forged_dir, forged_sha = write_version(root / "base", root / "default" / f"v{legacy + 1}", seed=legacy + 1)
+
+    def served(policy: str, v: int) -> list[Any]:
+        return find(read_events(redis_client, keys.weight_stream(policy)), WeightVersionServing, policy=policy, version=v)
+
+    async def scenario() -> None:
+        ctl = await started(config(keys, redis_server, root, engines, enable_lora=True), redis_client)
+        try:
+            publish_weights(redis_client, keys, "default", version, str(full_dir), full_sha)
+            await wait_until_async("default served", lambda: served("default", version), 15)
+            assert not redis_client.exists(keys.weight_stream("late"))  # no such stream when the controller started
+            publish_weights(redis_client, keys, "late", 1, str(adapter_dir), read_manifest(adapter_dir)[1])
+            await wait_until_async("the later policy served", lambda: served("late", 1), 15)
+            publish_weights(redis_client, keys, "default", legacy + 1, str(forged_dir), forged_sha,
+                            stream=keys.weight_stream("late"))  # default's version on late's stream
+            await wait_until_async("the misplaced one dead-lettered", lambda: any(
+                b"weight stream of policy 'late'" in f.get(b"reason", b"")
+                for _, f in redis_client.xrange(keys.dead_letters)), 15)
+            publish_weights(redis_client, keys, "default", legacy, str(legacy_dir), legacy_sha,
+                            stream=keys.legacy_weight_stream)
+            await wait_until_async("the legacy publication served", lambda: served("default", legacy), 15)
+        finally:
+            await ctl.stop()
+
+    asyncio.run(scenario())
+    for policy in ("default", "late"):  # the controller's outcomes, each on its policy's stream
+        outcomes = [e for e in read_events(redis_client, keys.weight_stream(policy)) if e.producer.role == "controller"]
+        assert outcomes and {e.policy for e in outcomes} == {policy}  # type: ignore[attr-defined]
+    assert not [e for e in read_events(redis_client, keys.legacy_weight_stream) if e.producer.role == "controller"]
+    assert not find(weight_events(redis_client, keys), WeightsApplied, version=legacy + 1)
+    records = Registry(redis_client, keys).engines()
+    assert {r.versions["default"] for r in records.values()} == {legacy}
+    assert {r.versions["late"] for r in records.values()} == {1}
+    pending = {s: redis_client.xpending(s, "controller")["pending"]
+               for s in (keys.weight_stream("default"), keys.weight_stream("late"), keys.legacy_weight_stream)}
+    assert pending == dict.fromkeys(pending, 0)  # each handled entry acked on its own stream

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -36,7 +37,7 @@ from rollout_bus.events.embedded import find_redis_server, free_port
 from rollout_bus.events.errors import RedisCommandError
 from rollout_bus.events.janitor import Janitor, JanitorConfig
 from rollout_bus.events.metrics import bus_snapshot
-from rollout_bus.events.names import Keys
+from rollout_bus.events.names import Keys, publication_key
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
 from rollout_bus.events.rollouts import RolloutRequest
@@ -134,17 +135,17 @@ def test_the_config_runs_with_append_only_persistence(acl_server: AclServer) -> 
 def test_the_controller_owns_engines_weight_outcomes_and_the_registry(acl_server: AclServer) -> None:
     keys = Keys("ctl")
     ctl = acl_server.client("controller")
-    Publisher(acl_server.client("trainer"), keys, producer("trainer")).publish(keys.weight_stream, s.WeightsPublished(
+    Publisher(acl_server.client("trainer"), keys, producer("trainer")).publish(keys.weight_stream(POLICY), s.WeightsPublished(
         producer=producer("trainer"), policy=POLICY, version=1, uri="file:///w/1", sha256="ab"),
         idempotency_key=f"weights.{POLICY}.1")
     pub = Publisher(ctl, keys, producer("controller"))
     pub.publish(keys.engine_stream, s.EngineReady(producer=producer("controller"), engine_id="e0", url="u"))
-    weights = Consumer(ctl, keys, keys.weight_stream, "controller", "c-0", ConsumerConfig(block_ms=1))
+    weights = Consumer(ctl, keys, keys.weight_stream(POLICY), "controller", "c-0", ConsumerConfig(block_ms=1))
     applied: list[int] = []
 
     def apply(msg: Any) -> None:
         if isinstance(msg.event, s.WeightsPublished):
-            pub.publish(keys.weight_stream, s.WeightsApplied(producer=producer("controller"), policy=POLICY,
+            pub.publish(keys.weight_stream(POLICY), s.WeightsApplied(producer=producer("controller"), policy=POLICY,
                                                              version=msg.event.version, engine_id="e0", duration_ms=1))
             applied.append(msg.event.version)
     weights.run_until_idle(apply)
@@ -190,7 +191,7 @@ def test_the_executor_runs_rq_jobs_and_writes_rollouts_and_batches_but_never_wei
     assert job.get_status() == "finished" and job.return_value() == 3
 
     assert Registry(exe, keys).engines()["e0"].state == EngineState.SERVING
-    exe.xrange(keys.weight_stream)
+    exe.xrange(keys.weight_stream(POLICY))
     pub = Publisher(exe, keys, producer("executor"))
     pub.publish(keys.rollout_stream, s.RolloutStarted(producer=producer("executor"), policy=POLICY, rollout_id=1,
                                                       request_id="req-1", executor="x", attempt=1))
@@ -201,8 +202,8 @@ def test_the_executor_runs_rq_jobs_and_writes_rollouts_and_batches_but_never_wei
     exe.hset(keys.data_cursor(POLICY, "arith"), "offset", 2)
 
     weights = s.WeightsPublished(producer=producer("executor"), policy=POLICY, version=9, uri="u", sha256="x")
-    refused(lambda: pub.publish(keys.weight_stream, weights))
-    refused(lambda: exe.xadd(keys.weight_stream, {"e": b"x"}))
+    refused(lambda: pub.publish(keys.weight_stream(POLICY), weights))
+    refused(lambda: exe.xadd(keys.weight_stream(POLICY), {"e": b"x"}))
     refused(lambda: exe.hset(keys.engine_registry, "e0", b"x"))
     refused(lambda: exe.xadd(keys.trainer_stream, {"e": b"x"}))
 
@@ -240,7 +241,7 @@ def test_the_gateway_serves_sessions_and_touches_nothing_else(acl_server: AclSer
         engine.stop()
     gateway = acl_server.client("gateway")
     assert len(gateway.xrange(keys.session_stream)) >= 4
-    refused(lambda: gateway.xadd(keys.weight_stream, {"e": b"x"}))
+    refused(lambda: gateway.xadd(keys.weight_stream(POLICY), {"e": b"x"}))
     refused(lambda: gateway.xadd(keys.batch_stream(POLICY), {"e": b"x"}))
     refused(lambda: gateway.hset(keys.engine_registry, "e0", b"x"))
     refused(lambda: gateway.rpush(f"rq:queue:{keys.rollout_queue}", b"x"))
@@ -267,7 +268,7 @@ def test_the_trainer_consumes_batches_and_publishes_weights_but_never_touches_en
                                                          accepted=True))
     assert group.run_until_idle(train) == 2 and group.dead_lettered == 1
     assert not [k for k in trainer.scan_iter(match=keys.payload("*"))]
-    pub.publish(keys.weight_stream, s.WeightsPublished(producer=producer("trainer"), policy=POLICY, version=1,
+    pub.publish(keys.weight_stream(POLICY), s.WeightsPublished(producer=producer("trainer"), policy=POLICY, version=1,
                                                        uri="file:///w/1", sha256="ab"), idempotency_key=f"weights.{POLICY}.1")
     assert Registry(trainer, keys).engines() == {}
 
@@ -367,7 +368,8 @@ def test_each_role_runs_as_its_own_user_with_nothing_refused(acl_server: AclServ
             g["name"].decode() for g in admin.xinfo_groups(batches)}, 120)
         admin.xadd(batches, {b"e": b"garbage"})  # the trainer dead-letters it
         assert trainer.proc.wait(240) == 0, trainer.tail(40)
-        admin.xadd(keys.weight_stream, {b"e": b"garbage"})  # the controller dead-letters it
+        admin.xadd(keys.weight_stream(POLICY), {b"e": b"garbage"})  # the controller dead-letters it
+        admin.xadd(keys.legacy_weight_stream, {b"e": b"garbage"})  # and on the legacy stream it still reads
         doomed = RolloutRequest.create("ghost", 0, 1, 1, timeout_s=60)  # unknown to the executor: it fails the job
         RolloutSubmitter(acl_server.client("trainer"), keys, SubmitConfig(known_policies=("ghost",))).submit(doomed)
 
@@ -399,12 +401,43 @@ def test_each_role_runs_as_its_own_user_with_nothing_refused(acl_server: AclServ
                                       for e in refusals)
 
 
+def test_a_trainer_may_add_to_its_own_policys_weight_stream_and_to_no_other(acl_server: AclServer) -> None:
+    """Trainer users of two policies, both as ``events/acl.py`` derives them: each publishes its weights on its own
+    policy's stream; another policy's stream, and the legacy stream of every policy, refuse it."""
+    keys = Keys("wst")
+    admin = acl_server.client("admin")
+    line = next(u for u in acl.render(POLICY, OTHER).splitlines() if u.split()[1] == f"trainer-{OTHER}")
+    password = f"{OTHER}-test-password"
+    rules = [f"#{hashlib.sha256(password.encode()).hexdigest()}" if r.startswith("#${") else r
+             for r in re.findall(r"\([^)]*\)|\S+", line)[2:]]
+    admin.execute_command("ACL", "SETUSER", f"trainer-{OTHER}", "reset", *rules)
+    mine, theirs = acl_server.client("trainer"), connect(f"redis://trainer-{OTHER}:{password}@127.0.0.1:{acl_server.port}/0")
+
+    def announce(client: redis.Redis, policy: str, stream: str, version: int = 1) -> str:
+        event = s.WeightsPublished(producer=producer("trainer"), policy=policy, version=version, uri="u", sha256="ab")
+        return Publisher(client, keys, producer("trainer")).publish(stream, event,
+                                                                    idempotency_key=publication_key(policy, version))
+
+    assert announce(mine, POLICY, keys.weight_stream(POLICY))
+    assert announce(theirs, OTHER, keys.weight_stream(OTHER))
+    refused(lambda: announce(mine, OTHER, keys.weight_stream(OTHER), 2))  # another policy's publication
+    refused(lambda: announce(mine, POLICY, keys.weight_stream(OTHER), 2))  # its own, on another policy's stream
+    refused(lambda: mine.xadd(keys.weight_stream(OTHER), {"e": b"x"}))
+    refused(lambda: theirs.xadd(keys.weight_stream(POLICY), {"e": b"x"}))
+    for client in (mine, theirs):  # the one stream every policy shared before: nobody's to write now
+        refused(lambda c=client: c.xadd(keys.legacy_weight_stream, {"e": b"x"}))  # type: ignore[misc]
+    assert [s.decode(f).policy for _, f in admin.xrange(keys.weight_stream(OTHER))] == [OTHER]  # type: ignore[attr-defined]
+    assert [s.decode(f).policy for _, f in admin.xrange(keys.weight_stream(POLICY))] == [POLICY]  # type: ignore[attr-defined]
+    assert not admin.exists(keys.legacy_weight_stream)
+    admin.execute_command("ACL", "DELUSER", f"trainer-{OTHER}")
+
+
 _DEL_SCRIPT = "return redis.call('DEL', KEYS[1])"
 
 
 def forbidden(client: redis.Redis, keys: Keys) -> dict[str, Callable[[], Any]]:
     """Operations no role but the owner of the key may do (each one named in a refusal message)."""
-    batches, weights = keys.batch_stream(POLICY), keys.weight_stream
+    batches, weights = keys.batch_stream(POLICY), keys.weight_stream(POLICY)
     sha = hashlib.sha1(_DEL_SCRIPT.encode()).hexdigest()  # loaded by the admin
     return {
         "DEL dead letters": lambda: client.delete(keys.dead_letters),
@@ -456,7 +489,7 @@ def _check_refused(user: str, client: redis.Redis, ops: dict[str, Callable[[], A
 def test_what_each_role_must_not_do_gets_noperm(acl_server: AclServer) -> None:
     keys = Keys("deny")
     admin = acl_server.client("admin")
-    for stream in (keys.weight_stream, keys.command_stream):
+    for stream in (keys.weight_stream(POLICY), keys.command_stream):
         Consumer(admin, keys, stream, "controller", "c-0", ConsumerConfig(block_ms=1)).ensure_group()
     admin.xadd(keys.dead_letters, {"e": b"x"})
     admin.script_load(_DEL_SCRIPT)
@@ -468,7 +501,7 @@ def test_what_each_role_must_not_do_gets_noperm(acl_server: AclServer) -> None:
     _check_refused("executor", executor, {
         **forbidden(executor, keys),
         "XADD dead letters": lambda: executor.xadd(keys.dead_letters, {"e": b"x"}),
-        "XADD the weights stream": lambda: executor.xadd(keys.weight_stream, {"e": b"x"}),
+        "XADD the weights stream": lambda: executor.xadd(keys.weight_stream(POLICY), {"e": b"x"}),
         "XADD the trainer stream": lambda: executor.xadd(keys.trainer_stream, {"e": b"x"}),
         "forge a batch group's beat": lambda: executor.zadd(keys.group_beats(other_batches), {"trainer-p1": 0}),
         "register a batch group": lambda: executor.sadd(keys.registered_groups(other_batches), "ghost"),
@@ -488,7 +521,9 @@ def test_what_each_role_must_not_do_gets_noperm(acl_server: AclServer) -> None:
         "ack another policy's batches": lambda: trainer.xack(other_batches, "trainer-p1", "1-0"),
         "beat for another policy's group": lambda: trainer.zadd(keys.group_beats(other_batches), {"trainer-p1": 0}),
         "delete another policy's payload": lambda: trainer.delete(payload_of_other),
-        "claim another policy's publication": lambda: trainer.set(keys.dedupe(keys.weight_stream,
+        "XADD another policy's weight stream": lambda: trainer.xadd(keys.weight_stream(OTHER), {"e": b"x"}),
+        "XADD the legacy weights stream": lambda: trainer.xadd(keys.legacy_weight_stream, {"e": b"x"}),
+        "claim another policy's publication": lambda: trainer.set(keys.dedupe(keys.weight_stream(OTHER),
                                                                              f"weights.{OTHER}.7"), "1-0"),
         "XADD a batch": lambda: trainer.xadd(keys.batch_stream(POLICY), {"e": b"x"}),
         "write a payload": lambda: trainer.set(keys.payload(f"{POLICY}:b0:00"), b"x"),

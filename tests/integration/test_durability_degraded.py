@@ -41,7 +41,7 @@ def test_a_durable_write_short_of_replicas_waits_with_a_visible_status_and_compl
 
     def write() -> None:
         try:
-            outcome["id"] = publisher.publish(keys.weight_stream, EngineReady(producer=PRODUCER, engine_id="e",
+            outcome["id"] = publisher.publish(keys.weight_stream("default"), EngineReady(producer=PRODUCER, engine_id="e",
                                                                               url="u"), durable=True)
         except Exception as exc:
             outcome["error"] = exc
@@ -53,12 +53,12 @@ def test_a_durable_write_short_of_replicas_waits_with_a_visible_status_and_compl
         assert writer.is_alive() and not outcome  # waiting, not failed: its tries (2 x 50 ms) are long spent
         assert DURABLE_WAITING._value.get() == 1
         shown = render(bus_snapshot(client, keys))
-        assert "DURABILITY DEGRADED" in shown and f"publish to {keys.weight_stream}" in shown and "0/1" in shown
+        assert "DURABILITY DEGRADED" in shown and f"publish to {keys.weight_stream('default')}" in shown and "0/1" in shown
         replica.start()
         writer.join(30)
         assert not writer.is_alive() and "error" not in outcome, outcome
-        assert client.xrange(keys.weight_stream)[0][0].decode() == outcome["id"]  # one entry: the retries added none
-        assert client.xlen(keys.weight_stream) == 1
+        assert client.xrange(keys.weight_stream("default"))[0][0].decode() == outcome["id"]  # one entry: the retries added none
+        assert client.xlen(keys.weight_stream("default")) == 1
         assert not client.hexists(keys.durability_status, str(PRODUCER))  # the status is gone with the wait
         assert DURABLE_WAITING._value.get() == 0
         assert "DURABILITY DEGRADED" not in render(bus_snapshot(client, keys))
@@ -75,7 +75,7 @@ def test_a_durable_write_still_unconfirmed_at_its_bound_fails_with_the_reason(
     publisher.durability = Durability(replicas=1, timeout_ms=20, attempts=1, wait_s=0.8)
     started = time.monotonic()
     with pytest.raises(ReplicationTimeout, match=r"only 0 of 1 replica.*1 tries and 0.8s degraded"):
-        publisher.publish(keys.weight_stream, EngineReady(producer=PRODUCER, engine_id="e", url="u"), durable=True)
+        publisher.publish(keys.weight_stream("default"), EngineReady(producer=PRODUCER, engine_id="e", url="u"), durable=True)
     assert 0.8 <= time.monotonic() - started < 5
     assert not redis_client.hexists(keys.durability_status, str(PRODUCER))
     publisher.close()

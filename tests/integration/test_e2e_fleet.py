@@ -48,7 +48,7 @@ def step(url: str, keys: Keys) -> int:
 
 
 def newest_published(url: str, keys: Keys) -> int:
-    return max((e.version for _, e in events(url, keys.weight_stream) if isinstance(e, WeightsPublished)), default=0)
+    return max((e.version for _, e in events(url, keys.weight_stream("p0")) if isinstance(e, WeightsPublished)), default=0)
 
 
 def test_a_pool_grows_and_shrinks_mid_run_with_nothing_lost_and_new_engines_serve_the_current_version(

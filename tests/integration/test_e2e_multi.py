@@ -48,7 +48,7 @@ def test_two_trainers_and_a_recorder_each_get_exactly_their_own_batches(tmp_path
     groups = {g["name"].decode(): g for g in client.xinfo_groups(keys.batch_stream("p0"))}
     assert set(groups) == {"trainer-p0", "recorder"} and groups["recorder"]["pending"] == 0
     # each policy has its own line of weight versions
-    published = [decode(f) for _, f in page(client, keys.weight_stream)]
+    published = [decode(f) for p in ("p0", "p1") for _, f in page(client, keys.weight_stream(p))]
     for p in ("p0", "p1"):
         versions = sorted({e.version for e in published if isinstance(e, WeightsPublished) and e.policy == p})
         assert versions[-STEPS:] == list(range(1, STEPS + 1))

@@ -110,7 +110,7 @@ def test_a_consumer_paused_past_the_ttl_whose_group_expired_resumes_without_sile
 
 def test_a_consumer_dropped_without_close_stops_beating(redis_client: redis.Redis, keys: Keys) -> None:
     """The heartbeat thread holds its consumer weakly: dropping the consumer ends it, so its group can lapse."""
-    consumer = Consumer(redis_client, keys, keys.weight_stream, "dropped", "c0",
+    consumer = Consumer(redis_client, keys, keys.weight_stream("default"), "dropped", "c0",
                         ConsumerConfig(block_ms=1, group_ttl_s=0.2))
     consumer.ensure_group()
     consumer.read()
@@ -125,7 +125,7 @@ def test_a_restarted_consumer_whose_group_expired_resumes_where_the_janitor_foun
         redis_client: redis.Redis, keys: Keys) -> None:
     """A process that left (closed), came back after its group expired, and starts with ``$``: it still gets
     the entries published while its group was gone, from where the janitor recorded the group stood."""
-    stream = keys.weight_stream
+    stream = keys.weight_stream("default")
     cfg = ConsumerConfig(block_ms=1, group_ttl_s=0.2, start_id="$")
     pub = Publisher(redis_client, keys, PRODUCER)
     first = Consumer(redis_client, keys, stream, "trainer", "c0", cfg)

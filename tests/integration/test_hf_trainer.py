@@ -36,6 +36,7 @@ from rollout_bus.trainer.config import LossSettings, OptimConfig
 from rollout_bus.trainer.hf_config import HFSettings, LoraSettings
 from rollout_bus.trainer.hf_learner import HFLearner
 from tests.engine_proc import EngineProcess, wait_until
+from tests.support.controller_driver import weight_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -123,7 +124,7 @@ def test_a_base_policy_and_a_lora_policy_train_side_by_side(
         "tokenizer.json", "tokenizer_config.json"]
     assert sorted(p.name for p in (weights / "p1" / "v000002").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors", "manifest.json"]
-    served = {(e.policy, e.version) for e in _events(redis_client, keys.weight_stream)
+    served = {(e.policy, e.version) for e in weight_events(redis_client, keys)
               if isinstance(e, WeightVersionServing)}
     assert {("p0", 2), ("p1", 2)} <= served
     steps = [e for e in _events(redis_client, keys.trainer_stream) if isinstance(e, TrainStepDone)]

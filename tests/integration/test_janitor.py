@@ -51,18 +51,18 @@ def test_retention_trims_every_stream_but_never_past_an_unacked_entry_of_a_live_
     pub = Publisher(redis_client, keys, PRODUCER)
     for i in range(30):
         pub.publish(keys.engine_stream, EngineReady(producer=PRODUCER, engine_id=f"e{i}", url="u"))
-    reader = Consumer(redis_client, keys, keys.weight_stream, "slow", "c0", ConsumerConfig(block_ms=1, count=10))
+    reader = Consumer(redis_client, keys, keys.weight_stream("default"), "slow", "c0", ConsumerConfig(block_ms=1, count=10))
     reader.ensure_group()
-    ids = [pub.publish(keys.weight_stream, EngineReady(producer=PRODUCER, engine_id=f"w{i}", url="u"))
+    ids = [pub.publish(keys.weight_stream("default"), EngineReady(producer=PRODUCER, engine_id=f"w{i}", url="u"))
            for i in range(30)]
     got = reader.read()
     reader.ack(*[m.id for m in got[:4]])  # acks 4, holds 6 unacked, 20 never delivered
     report = Janitor(redis_client, keys, pub, JanitorConfig(max_len=5)).run_once()
     assert redis_client.xlen(keys.engine_stream) == 5  # no group: trimmed to the limit
-    assert [e[0].decode() for e in redis_client.xrange(keys.weight_stream)] == ids[4:]  # stops at the first unacked
-    assert report.trimmed == {"engines": 25, "weights": 4}
+    assert [e[0].decode() for e in redis_client.xrange(keys.weight_stream("default"))] == ids[4:]  # stops at the first unacked
+    assert report.trimmed == {"engines": 25, "weights/default": 4}
     (event,) = [e for e in housekeeping(redis_client, keys) if isinstance(e, StreamsTrimmed)]
-    assert event.entries == {"engines": 25, "weights": 4}
+    assert event.entries == {"engines": 25, "weights/default": 4}
 
 
 def test_a_group_that_stopped_beating_expires_and_stops_holding_entries_and_payloads(

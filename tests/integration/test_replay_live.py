@@ -220,10 +220,10 @@ def test_a_weight_applied_in_the_same_millisecond_as_the_serving_announcement_co
 
         def add(stream: str, entry_id: str, event: s.Event) -> None:  # numbered as the publish script would
             client.xadd(stream, s.encode(dataclasses.replace(event, seq=next(numbers))), id=entry_id)  # type: ignore[arg-type]
-        add(keys.weight_stream, "1000-0", s.WeightsPublished(producer=ctrl, policy=POLICY, version=1, uri="u",
+        add(keys.weight_stream(POLICY), "1000-0", s.WeightsPublished(producer=ctrl, policy=POLICY, version=1, uri="u",
                                                               sha256="ab" * 32))
         add(keys.engine_stream, "1001-0", s.EngineLaunching(producer=ctrl, engine_id="e0", url="u", backend="cpu"))
-        add(keys.weight_stream, "1002-0", s.WeightsApplied(producer=ctrl, policy=POLICY, version=1, engine_id="e0",
+        add(keys.weight_stream(POLICY), "1002-0", s.WeightsApplied(producer=ctrl, policy=POLICY, version=1, engine_id="e0",
                                                             duration_ms=1.0))
         add(keys.engine_stream, "1002-0", s.EngineServing(producer=ctrl, engine_id="e0", url="u",
                                                           versions={POLICY: 1}))
@@ -231,11 +231,11 @@ def test_a_weight_applied_in_the_same_millisecond_as_the_serving_announcement_co
         assert [e.event.type for e in entries][-2:] == ["WeightsApplied", "EngineServing"]
         assert verify(entries) == []
         # a version served and never applied is still caught, once its millisecond is over
-        add(keys.weight_stream, "1003-0", s.WeightsPublished(producer=ctrl, policy=POLICY, version=2, uri="u",
+        add(keys.weight_stream(POLICY), "1003-0", s.WeightsPublished(producer=ctrl, policy=POLICY, version=2, uri="u",
                                                               sha256="ab" * 32))
         add(keys.engine_stream, "1004-0", s.EngineServing(producer=ctrl, engine_id="e0", url="u",
                                                           versions={POLICY: 2}))
-        add(keys.weight_stream, "1005-0", s.WeightsApplied(producer=ctrl, policy=POLICY, version=2, engine_id="e0",
+        add(keys.weight_stream(POLICY), "1005-0", s.WeightsApplied(producer=ctrl, policy=POLICY, version=2, engine_id="e0",
                                                             duration_ms=1.0))
         found = verify(decode_entries(read_live(client, keys)))
         assert [(v.kind, v.entries) for v in found] == [("version_not_received", ["engines@1004-0"])]

@@ -16,6 +16,7 @@ from rollout_bus.events.connection import connect
 from rollout_bus.events.consume import Consumer, ConsumerConfig
 from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import weight_streams
 from rollout_bus.events.train_data import TrainData, ragged
 from rollout_bus.replay import cli as replay
 from rollout_bus.replay.exporter import export_log, read_live
@@ -25,7 +26,15 @@ from rollout_bus.replay.logfile import LogReader, decode_entries
 from rollout_bus.replay.payloads import payload_store
 from rollout_bus.replay.timeline import timeline
 from rollout_bus.replay.verify import verify
-from tests.unit.test_timeline import CTRL, POLICY, batch_ready, expected_final, publish_scenario, scenario
+from tests.unit.test_timeline import (
+    CTRL,
+    POLICY,
+    WEIGHTS,
+    batch_ready,
+    expected_final,
+    publish_scenario,
+    scenario,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -131,6 +140,60 @@ def test_an_exported_run_imports_into_a_fresh_redis_and_replays_to_the_same_stat
     assert [b for b, _, _ in feed_batches(path)] == [b for b, _, _ in fed]  # deterministic
 
 
+def timeless(value: object) -> object:
+    """``value`` without what records when it happened (times, entry ids): what two runs of one scenario share."""
+    if isinstance(value, dict):
+        return {k: timeless(v) for k, v in value.items() if not (k.endswith("ms") or k.endswith("_id") and
+                                                                  isinstance(v, str) and "-" in v)}
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], int):  # a history's (at ms, what)
+        return timeless(value[1])
+    if isinstance(value, list | tuple):
+        return [timeless(v) for v in value]
+    return value
+
+
+def test_a_log_from_before_per_policy_weight_streams_imports_and_replays_like_one_of_now(
+        redis_client: redis.Redis, keys: Keys, target: RedisServer, tmp_path: Path) -> None:
+    """The same run logged twice: as the release before wrote it (every policy's weight events on the one
+    ``weights`` stream) and as now (``weights/<policy>``). Each imports with its ids, the old one's weight events
+    onto the legacy stream (which the controller still reads), and both replay to the same timeline."""
+    old_keys, new_keys = Keys(keys.namespace + "-old"), Keys(keys.namespace + "-new")
+    now = scenario()
+    before = [("weights" if stream == WEIGHTS else stream, ev) for stream, ev in now]
+    assert before != now
+    publish_scenario(redis_client, old_keys, before)
+    publish_scenario(redis_client, new_keys, now)
+    logs = {name: tmp_path / f"{name}.rblog" for name in ("old", "new")}
+    export_log(redis_client, old_keys, logs["old"])
+    export_log(redis_client, new_keys, logs["new"])
+    with LogReader(logs["old"]) as reader:
+        assert "weights" in {r.stream for r in reader.header.ranges} and WEIGHTS not in {
+            r.stream for r in reader.header.ranges}
+
+    dest = connect(target.url)
+    try:
+        timelines = {}
+        for name, path in logs.items():
+            copy = Keys(f"{name}-copy")
+            imported = import_log(dest, copy, path, restore_groups=True)
+            assert all(imported.ids_preserved.values())
+            timelines[name] = live_timeline(dest, copy)
+            with LogReader(path) as reader:
+                assert timeline(reader.events()).to_dict() == timelines[name]
+            assert verify(decode_entries(read_live(dest, copy))) == []
+            held = {st: dest.xlen(st) for st in weight_streams(dest, copy)}
+            if name == "old":  # where the controller reads the publications of before
+                assert list(held) == [copy.legacy_weight_stream] and held[copy.legacy_weight_stream] == len(
+                    [st for st, _ in before if st == "weights"])
+            else:
+                assert list(held) == [copy.weight_stream(POLICY)]
+        assert timeless(timelines["old"]) == timeless(timelines["new"])  # the same run: only its clock differs
+        staleness = {b: v["staleness"] for b, v in timelines["old"]["batches"].items()}  # type: ignore[attr-defined]
+        assert staleness == expected_final()["staleness"]
+    finally:
+        dest.close()
+
+
 def test_the_cli_exports_imports_replays_and_flags_planted_violations(
         redis_server: RedisServer, redis_client: redis.Redis, keys: Keys, target: RedisServer,
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -158,7 +221,7 @@ def test_the_cli_exports_imports_replays_and_flags_planted_violations(
     publish_scenario(redis_client, keys, [
         ("engines", s.EngineServing(producer=CTRL, engine_id="e0", url="u", versions={POLICY: 9})),
         (f"batches/{POLICY}", batch_ready("batch-1b", "req-1", 1, 1, 1)),
-        ("weights", s.WeightsPublished(producer=CTRL, policy=POLICY, version=1, uri="u", sha256="x"))], writer)
+        (WEIGHTS, s.WeightsPublished(producer=CTRL, policy=POLICY, version=1, uri="u", sha256="x"))], writer)
     fields, meta = train_data(4, 2, 5).to_tensors()  # its event claims versions 2..2; a sample has 5
     writer.channel.publish(POLICY, "batch-4", fields, meta, rollout_id=4, request_id="req-4",
                            min_weight_version=2, max_weight_version=2)

@@ -48,12 +48,12 @@ def test_a_sentinel_client_writes_to_the_primary_and_durable_writes_reach_the_re
     client = connect(cluster.url)
     publisher = Publisher(client, keys, Producer("trainer", "t0"))
     assert publisher.durability.replicas == 1  # a Sentinel deployment has a replica to wait for
-    entry = publisher.publish(keys.weight_stream, _event(0), durable=True)
+    entry = publisher.publish(keys.weight_stream("default"), _event(0), durable=True)
     replica = next(s for s in cluster.servers if s.port != cluster.primary_port())
     import redis
 
     # acknowledged means the replica has it already: read it there, no waiting
-    assert redis.Redis(port=replica.port).xrange(keys.weight_stream)[0][0].decode() == entry
+    assert redis.Redis(port=replica.port).xrange(keys.weight_stream("default"))[0][0].decode() == entry
     publisher.close()
     client.close()
 
@@ -82,18 +82,18 @@ def test_a_replica_that_never_acknowledges_is_a_clear_error_within_bounded_time(
     assert replica.proc is not None
     os.kill(replica.proc.pid, signal.SIGSTOP)  # alive and connected, but it acknowledges nothing
     try:
-        assert publisher.publish(keys.weight_stream, _event(1))  # a write that need not survive is not held up
+        assert publisher.publish(keys.weight_stream("default"), _event(1))  # a write that need not survive is not held up
         started = time.monotonic()
         with pytest.raises(ReplicationTimeout, match=r"only 0 of 1 replica\(s\) acknowledged .* within 200 ms"):
-            publisher.publish(keys.weight_stream, _event(2), durable=True)
+            publisher.publish(keys.weight_stream("default"), _event(2), durable=True)
         assert time.monotonic() - started < 2  # two tries of 200 ms, and the round trips
         with pytest.raises(ReplicationTimeout, match="BatchReady p/b1"):
             channel.publish("p", "b1", {"x": torch.arange(4, dtype=torch.int32)})
     finally:
         os.kill(replica.proc.pid, signal.SIGCONT)
     # once the replica answers again, the retried publish is acknowledged and adds no second entry
-    entry = publisher.publish(keys.weight_stream, _event(2), durable=True, idempotency_key="e2")
-    assert publisher.publish(keys.weight_stream, _event(2), durable=True, idempotency_key="e2") == entry
+    entry = publisher.publish(keys.weight_stream("default"), _event(2), durable=True, idempotency_key="e2")
+    assert publisher.publish(keys.weight_stream("default"), _event(2), durable=True, idempotency_key="e2") == entry
     assert channel.publish("p", "b1", {"x": torch.arange(4, dtype=torch.int32)})
     assert client.xlen(keys.batch_stream("p")) == 1
     channel.close()
@@ -118,7 +118,7 @@ def test_every_acknowledged_durable_write_survives_a_primary_killed_at_a_random_
         try:
             while not stop.is_set():
                 event = _event(i)
-                acked.append((event.event_id, publisher.publish(keys.weight_stream, event, durable=True)))
+                acked.append((event.event_id, publisher.publish(keys.weight_stream("default"), event, durable=True)))
                 channel.publish("p", f"b{i}", {"x": torch.full((8,), i, dtype=torch.int32)})
                 batches.append(f"b{i}")
                 i += 1
@@ -146,7 +146,7 @@ def test_every_acknowledged_durable_write_survives_a_primary_killed_at_a_random_
     import redis
 
     primary = redis.Redis(port=new_port)
-    stored = {decode(f).event_id: i.decode() for i, f in primary.xrange(keys.weight_stream)}
+    stored = {decode(f).event_id: i.decode() for i, f in primary.xrange(keys.weight_stream("default"))}
     missing = [(e, i) for e, i in acked if e not in stored]
     assert not missing, f"{len(missing)} acknowledged events lost: {missing[:5]}"
     assert len(stored) <= len(acked) + 1  # beyond the acknowledged ones, at most the one in flight at the end

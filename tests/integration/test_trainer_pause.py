@@ -64,7 +64,7 @@ def process_state(pid: int) -> str:
 
 
 def events(client: Redis, keys: Keys) -> list[tuple[str, object]]:
-    return [(stream, decode(f)) for stream in (keys.trainer_stream, keys.weight_stream, keys.rollout_stream)
+    return [(stream, decode(f)) for stream in (keys.trainer_stream, keys.weight_stream("p0"), keys.rollout_stream)
             for _, f in page(client, stream)]
 
 
@@ -148,9 +148,9 @@ def test_a_durable_leased_publish_waits_for_replicas_and_is_refused_once_the_lea
     redis_client.hset(fence.key, "r0", f"tok-a|{until}|host:1")
     event = WeightsPublished(producer=Producer("trainer", "a"), policy="p0", version=1, uri="/w", sha256="0" * 64)
     with pytest.raises(ReplicationTimeout):
-        publisher.publish(keys.weight_stream, event, idempotency_key="weights.p0.1", durable=True, lease=fence)
-    assert len(list(page(redis_client, keys.weight_stream))) == 1  # written once, whatever the retries
+        publisher.publish(keys.weight_stream("p0"), event, idempotency_key="weights.p0.1", durable=True, lease=fence)
+    assert len(list(page(redis_client, keys.weight_stream("p0")))) == 1  # written once, whatever the retries
     redis_client.hset(fence.key, "r0", f"tok-b|{until}|host:2")
     with pytest.raises(LeaseLost):
-        publisher.publish(keys.weight_stream, event, idempotency_key="weights.p0.2", durable=True, lease=fence)
-    assert len(list(page(redis_client, keys.weight_stream))) == 1
+        publisher.publish(keys.weight_stream("p0"), event, idempotency_key="weights.p0.2", durable=True, lease=fence)
+    assert len(list(page(redis_client, keys.weight_stream("p0")))) == 1

@@ -41,6 +41,7 @@ from tests.support.controller_driver import (
     publish_weights,
     read_events,
     wait_until_async,
+    weight_events,
     write_version,
 )
 from tests.support.models import tiny_adapter
@@ -83,7 +84,7 @@ def test_an_engine_given_other_weights_behind_the_controllers_back_fails_the_che
     published, sha = write_version(root / "base", root / "default" / "v1", seed=1)
     other, _ = write_version(root / "base", root / "elsewhere" / "v1", seed=2)
     engine_id = adopted_engine_id(engine.url)
-    weights = keys.weight_stream
+    weights = keys.weight_stream("default")
 
     async def scenario() -> None:
         ctl = InferenceController(config(keys, redis_server, root, engine), redis_client)
@@ -147,9 +148,9 @@ def test_checking_an_unknown_engine_fails_with_a_clear_message(
             # sent anyway (the registry check is the tool's): the controller answers with the reason
             command = CheckWeights(producer=Producer("operator", "test"), request_id="bad-1", engine_ids=["nope"])
             Publisher(redis_client, keys, command.producer).publish(keys.command_stream, command)
-            await wait_until_async("refusal", lambda: find(read_events(redis_client, keys.weight_stream),
+            await wait_until_async("refusal", lambda: find(weight_events(redis_client, keys),
                                                            WeightsChecked, request_id="bad-1", outcome="refused"), 10)
-            refused = find(read_events(redis_client, keys.weight_stream), WeightsChecked, request_id="bad-1")
+            refused = find(weight_events(redis_client, keys), WeightsChecked, request_id="bad-1")
             assert len(refused) == 1 and "unknown engines ['nope']" in refused[0].reason
         finally:
             await ctl.stop()
@@ -170,20 +171,20 @@ def test_an_adapter_and_the_launch_weights_match_their_published_digests_after_a
         try:
             await ctl.wait_serving(timeout_s=20)
             publish_weights(redis_client, keys, "math", 3, str(adapter), read_manifest(adapter)[1])
-            await wait_until_async("math served", lambda: find(read_events(redis_client, keys.weight_stream),
+            await wait_until_async("math served", lambda: find(weight_events(redis_client, keys),
                                                                WeightVersionServing, policy="math"), 15)
             return await ctl.check_weights(None, request_id="all")
         finally:
             await ctl.stop()
 
     answers = asyncio.run(scenario())
-    after_update = find(read_events(redis_client, keys.weight_stream), WeightsChecked, request_id="")
+    after_update = find(weight_events(redis_client, keys), WeightsChecked, request_id="")
     assert {(e.policy, e.outcome) for e in after_update} == {("default", "match"), ("math", "match")}
     by_policy = {a.policy: a for a in answers}
     assert {p: (a.version, a.outcome) for p, a in by_policy.items()} == {"default": (0, "match"),
                                                                           "math": (3, "match")}
     assert by_policy["default"].actual == tensors_digest(root / "base")
     assert by_policy["math"].actual == tensors_digest(adapter) != by_policy["default"].actual
-    done = find(read_events(redis_client, keys.weight_stream), WeightsChecked, request_id="all", outcome="done")
+    done = find(weight_events(redis_client, keys), WeightsChecked, request_id="all", outcome="done")
     assert [d.reason for d in done] == ["2 match, 0 mismatch, 0 unchecked"]
     assert all(a.engine_id == engine_id for a in answers)

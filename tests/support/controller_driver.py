@@ -14,8 +14,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rollout_bus.events.connection import Redis
+from rollout_bus.events.connection import Redis, as_str
+from rollout_bus.events.groups import parse_id
 from rollout_bus.events.names import Keys
+from rollout_bus.events.paging import weight_streams
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import Event, Producer, WeightsPublished, decode
 from rollout_bus.lm.files import CONFIG_FILE, WEIGHTS_FILE, write_weights_dir
@@ -49,15 +51,22 @@ def write_version(base_dir: Path, out_dir: Path, *, seed: int, scale: float = 0.
 
 
 def publish_weights(client: Redis, keys: Keys, policy: str, version: int, uri: str, sha256: str,
-                    trainer: str = "test") -> WeightsPublished:
+                    trainer: str = "test", *, stream: str | None = None) -> WeightsPublished:
+    """``WeightsPublished`` on ``stream`` (default: the policy's weight stream, where its trainer publishes)."""
     event = WeightsPublished(producer=Producer("trainer", trainer), policy=policy, version=version, uri=uri,
                              sha256=sha256)
-    Publisher(client, keys, event.producer).publish(keys.weight_stream, event)
+    Publisher(client, keys, event.producer).publish(stream or keys.weight_stream(policy), event)
     return event
 
 
 def read_events(client: Redis, stream: str) -> list[Event]:
     return [decode(fields) for _id, fields in client.xrange(stream) or []]
+
+
+def weight_events(client: Redis, keys: Keys) -> list[Event]:
+    """The events of every weight stream of ``keys`` (each policy's and the legacy one), in entry id order."""
+    entries = [(parse_id(as_str(i)), f) for stream in weight_streams(client, keys) for i, f in client.xrange(stream)]
+    return [decode(f) for _, f in sorted(entries, key=lambda e: e[0])]
 
 
 def find(events: list[Event], cls: type[Event], **match: object) -> list[Event]:

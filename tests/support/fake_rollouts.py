@@ -71,7 +71,7 @@ class FakeRollouts:
         self.sink = BatchSink(self.client, self.keys, self.publisher)
         self.registry = Registry(self.client, self.keys)
         self.guard = Guard(self.client, name="fake rollouts")
-        self._cursors = {self.keys.rollout_stream: "0", self.keys.weight_stream: "0"}
+        self._cursors = {self.keys.rollout_stream: "0", **{self.keys.weight_stream(p): "0" for p in self.policies}}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rng = random.Random(self.seed)
@@ -117,7 +117,7 @@ class FakeRollouts:
         handled = 0
         for stream, fields in self._read():
             event = decode(fields)
-            if stream == self.keys.weight_stream and isinstance(event, WeightsPublished):
+            if stream != self.keys.rollout_stream and isinstance(event, WeightsPublished):
                 self._serve(event)
                 handled += 1
             elif stream == self.keys.rollout_stream and isinstance(event, RolloutRequested):
@@ -143,7 +143,7 @@ class FakeRollouts:
         self.serving[event.policy] = event.version
         self.registry.put_policy(PolicyRecord(event.policy, published=event.version, serving=event.version,
                                               uri=event.uri, sha256=event.sha256))
-        self.publisher.publish(self.keys.weight_stream, WeightVersionServing(
+        self.publisher.publish(self.keys.weight_stream(event.policy), WeightVersionServing(
             producer=self.producer, policy=event.policy, version=event.version, engine_ids=["fake-0"]))
 
     def _rollout(self, event: RolloutRequested) -> None:

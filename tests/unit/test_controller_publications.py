@@ -50,7 +50,7 @@ async def entries(rig: Rig) -> list[Message]:
 
 
 def pending(rig: Rig) -> int:
-    return int(rig.client.xpending(rig.keys.weight_stream, GROUP)["pending"])
+    return int(rig.client.xpending(rig.keys.weight_stream("default"), GROUP)["pending"])
 
 
 def test_a_version_announced_as_another_is_refused_and_the_next_genuine_version_is_still_applied(
@@ -91,7 +91,7 @@ def test_a_weights_file_with_wrong_offsets_is_a_refused_version_and_its_entry_is
         rig = Rig(tmp_path, n=1)
         directory = rig.root / "default" / "v000001"
         sha = write_weights_dir(directory, crafted, policy="default", version=1)
-        rig.bus.publisher.publish(rig.keys.weight_stream, announced("default", 1, directory, sha))
+        rig.bus.publisher.publish(rig.keys.weight_stream("default"), announced("default", 1, directory, sha))
         reasons = [await rig.updater.submit(m.event, m.id) for m in await entries(rig)]  # type: ignore[arg-type]
         left = pending(rig)
         await rig.close()
@@ -114,7 +114,7 @@ def test_a_directory_that_appears_a_moment_after_its_announcement_is_applied(tmp
         hidden = directory.with_name(".late")
         os.rename(directory, hidden)  # not visible on this host yet
         started = asyncio.get_running_loop().time()
-        rig.bus.publisher.publish(rig.keys.weight_stream, announced("default", 1, directory, sha))
+        rig.bus.publisher.publish(rig.keys.weight_stream("default"), announced("default", 1, directory, sha))
         (message,) = await entries(rig)
         rig.updater.inflight.add(message.id)
         reason = await rig.updater.submit(message.event, message.id)  # type: ignore[arg-type]

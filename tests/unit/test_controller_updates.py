@@ -34,7 +34,7 @@ from rollout_bus.events.schema import (
     WeightVersionServing,
 )
 from rollout_bus.lm.files import write_weights_dir
-from tests.support.controller_driver import find, read_events
+from tests.support.controller_driver import find, weight_events
 
 UNFLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
              "Retract or finish them, then call /flush_cache.")
@@ -141,7 +141,7 @@ class Rig:
         raise TimeoutError("weight updates did not settle")
 
     def weight_events(self) -> list[Any]:
-        return read_events(self.client, self.keys.weight_stream)
+        return weight_events(self.client, self.keys)
 
     async def close(self) -> None:
         await self.core.cancel_tasks()
@@ -202,7 +202,7 @@ def test_while_a_trainer_holds_the_policy_lease_only_its_publications_are_applie
     async def scenario() -> tuple[Rig, str | None, str | None]:
         rig = Rig(tmp_path, n=1)
         rig.client.hset(rig.keys.trainer_lease("default"), mapping={"owner": "trainer-0/1", "r0": "tok|9|h:1"})
-        genuine_key = rig.bus.publisher._dedupe_key(rig.keys.weight_stream, publication_key("default", 1))
+        genuine_key = rig.bus.publisher._dedupe_key(rig.keys.weight_stream("default"), publication_key("default", 1))
         rig.client.set(genuine_key, "1-1")  # the holder's own announcement of v1
         forged = rig.publication(1)
         forged = dataclasses.replace(forged, producer=Producer("trainer", "host-7-trainer-other"))

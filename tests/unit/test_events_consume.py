@@ -260,7 +260,7 @@ def test_stream_replies_of_both_protocols_and_both_field_shapes_become_entries_w
 
 def test_a_consumer_beats_from_its_own_thread_until_closed(fake_client: redis.Redis, keys: Keys) -> None:
     """Its group stays registered while it is busy (no read at all), and lapses once it is closed."""
-    stream = keys.weight_stream
+    stream = keys.weight_stream("default")
     beats = keys.group_beats(stream)
     consumer = Consumer(fake_client, keys, stream, "busy", "c0", ConsumerConfig(block_ms=1, group_ttl_s=0.2))
     consumer.ensure_group()

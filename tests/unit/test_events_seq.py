@@ -38,14 +38,14 @@ def test_each_producer_numbers_what_it_publishes_and_a_deduplicated_publish_take
     pub.publish(keys.engine_stream, ready(), idempotency_key="a")
     pub.publish(keys.engine_stream, ready(), idempotency_key="a")  # deduplicated
     event = ready()
-    pub.publish(keys.weight_stream, event)
-    pub.publish(keys.weight_stream, event)  # the guard's re-send after a lost reply
+    pub.publish(keys.weight_stream("default"), event)
+    pub.publish(keys.weight_stream("default"), event)  # the guard's re-send after a lost reply
     pub.publish_many(keys.engine_stream, [ready(EXECUTOR), ready(), ready(EXECUTOR)])
     pub.publish_fields(keys.command_stream, {b"x": b"1"})  # raw fields: no event, no number
     assert ready().seq == 0  # a number only once published
     assert seqs(client, keys.engine_stream)[:4] == [("controller/c-0", 1), ("executor/x-0", 1),
                                                     ("controller/c-0", 3), ("executor/x-0", 2)]
-    assert seqs(client, keys.weight_stream) == [("controller/c-0", 2)]
+    assert seqs(client, keys.weight_stream("default")) == [("controller/c-0", 2)]
     # the same producer name in a new process (a restart) goes on from its last number
     Publisher(client, keys, CONTROLLER).publish(keys.engine_stream, ready(), durable=True)
     assert decode(client.xrange(keys.engine_stream)[-1][1]).seq == 4

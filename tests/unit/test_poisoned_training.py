@@ -193,7 +193,7 @@ def test_a_poisoned_batch_is_dead_lettered_with_its_reason_and_the_trainer_goes_
     assert fake.poisoned[0] in reason and ("not finite" in reason or "vocabulary" in reason or "step refused" in reason), reason
     asked = [e for e in fake.requests if e.rollout_id == 1]
     assert len(asked) == 2 and asked[1].request_id.endswith("-a2")  # its rollout was asked for again
-    published = [s.decode(f) for _, f in page(client, keys.weight_stream)]
+    published = [s.decode(f) for _, f in page(client, keys.weight_stream("default"))]
     assert [e.version for e in published if isinstance(e, s.WeightsPublished)] == [1, 2, 3]
     kept = sorted((Path(config.publish.weights_root) / "default").glob("v*"))
     assert kept and all(finite(load_model(str(d))) for d in kept)  # every version on disk holds finite weights

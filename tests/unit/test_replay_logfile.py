@@ -66,7 +66,7 @@ def test_an_export_holds_every_entry_in_id_order_with_payloads_before_their_batc
     with LogReader(path) as reader:
         assert reader.header.namespace == keys.namespace
         assert {r.stream for r in reader.header.ranges} == {
-            "engines", "weights", "rollouts", "trainers", f"batches/{POLICY}"}
+            "engines", f"weights/{POLICY}", "rollouts", "trainers", f"batches/{POLICY}"}
         records = list(reader)
         assert reader.complete
     entries = [r for r in records if isinstance(r, LogEntry)]
@@ -223,8 +223,12 @@ def test_groups_are_recreated_at_their_first_unacknowledged_entry(
 
 def test_logical_names_map_to_keys_and_back() -> None:
     keys = Keys("ns1")
-    for logical in ("engines", "weights", "commands", "rollouts", "trainers", "dead-letters", "batches/p-0_x"):
+    for logical in ("engines", "weights", "weights/p-0_x", "commands", "rollouts", "trainers", "dead-letters",
+                    "batches/p-0_x"):
         assert logical_stream(keys, stream_key(keys, logical)) == logical
+    assert stream_key(keys, "weights") == keys.legacy_weight_stream  # a log from before: where the controller reads
+    with pytest.raises(ValueError):
+        stream_key(keys, "weights/p.1")  # a policy name the grammar refuses never becomes a key
     with pytest.raises(ValueError):
         logical_stream(keys, Keys("ns2").engine_stream)
     with pytest.raises(ValueError):
@@ -276,7 +280,7 @@ def test_events_of_one_millisecond_go_in_their_producers_order_live_and_in_the_e
     # one millisecond: the ids' sequence parts (one counter per stream) put them the other way round
     fake_client.xadd(keys.engine_stream, encode(serving), id="1000-0")  # type: ignore[arg-type]
     fake_client.xadd(keys.trainer_stream, encode(joined), id="1000-1")  # type: ignore[arg-type]
-    fake_client.xadd(keys.weight_stream, encode(applied), id="1000-7")  # type: ignore[arg-type]
+    fake_client.xadd(keys.weight_stream(POLICY), encode(applied), id="1000-7")  # type: ignore[arg-type]
     live = [e.event for e in decode_entries(read_live(fake_client, keys))]
     assert live == [joined, applied, serving]  # the controller's order; the rest keeps its place
     export_log(fake_client, keys, tmp_path / "run.rblog")

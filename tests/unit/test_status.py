@@ -44,7 +44,7 @@ def populated(fake_client: redis.Redis, keys: Keys) -> Keys:
 def test_the_snapshot_counts_streams_groups_queues_and_dead_letters(fake_client: redis.Redis, populated: Keys) -> None:
     snap = bus_snapshot(fake_client, populated)
     streams = {st.stream: st for st in snap.streams}
-    assert set(streams) == {"engines", "weights", "rollouts", "trainers", f"batches/{POLICY}"}
+    assert set(streams) == {"engines", f"weights/{POLICY}", "rollouts", "trainers", f"batches/{POLICY}"}
     batches = streams[f"batches/{POLICY}"]
     assert batches.length == 3
     (group,) = batches.groups

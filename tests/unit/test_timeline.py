@@ -21,6 +21,8 @@ CTRL = s.Producer("controller", "c-0")
 EXEC = s.Producer("executor", "x-0")
 TRAIN = s.Producer("trainer", "t-0")
 POLICY = "p0"
+WEIGHTS = f"weights/{POLICY}"
+"""The logical name of the policy's weight stream."""
 BATCHES = f"batches/{POLICY}"
 
 Step = tuple[str, s.Event]
@@ -47,12 +49,12 @@ def rollout(rollout_id: int, vmin: int, vmax: int, make_batch: MakeBatch, attemp
 
 def update(version: int, engines: tuple[str, ...] = ("e0", "e1")) -> list[Step]:
     steps: list[Step] = [
-        ("weights", s.WeightsPublished(producer=TRAIN, policy=POLICY, version=version, uri=f"file:///w/{version}",
+        (WEIGHTS, s.WeightsPublished(producer=TRAIN, policy=POLICY, version=version, uri=f"file:///w/{version}",
                                        sha256="ab" * 32)),
-        ("weights", s.WeightUpdateStarted(producer=CTRL, policy=POLICY, version=version, engine_ids=list(engines)))]
-    steps += [("weights", s.WeightsApplied(producer=CTRL, policy=POLICY, version=version, engine_id=e,
+        (WEIGHTS, s.WeightUpdateStarted(producer=CTRL, policy=POLICY, version=version, engine_ids=list(engines)))]
+    steps += [(WEIGHTS, s.WeightsApplied(producer=CTRL, policy=POLICY, version=version, engine_id=e,
                                            duration_ms=3.0)) for e in engines]
-    steps.append(("weights", s.WeightVersionServing(producer=CTRL, policy=POLICY, version=version,
+    steps.append((WEIGHTS, s.WeightVersionServing(producer=CTRL, policy=POLICY, version=version,
                                                     engine_ids=list(engines))))
     return steps
 
@@ -73,7 +75,7 @@ def scenario(make_batch: MakeBatch = batch_ready) -> list[Step]:
         steps.append(("engines", s.EngineReady(producer=CTRL, engine_id=e, url=f"http://h/{e}")))
         steps.append(("engines", s.EngineServing(producer=CTRL, engine_id=e, url=f"http://h/{e}",
                                                  versions={POLICY: 0})))
-    steps.append(("weights", s.WeightVersionServing(producer=CTRL, policy=POLICY, version=0,
+    steps.append((WEIGHTS, s.WeightVersionServing(producer=CTRL, policy=POLICY, version=0,
                                                     engine_ids=["e0", "e1"])))
     steps.append(("trainers", s.TrainerJoined(producer=TRAIN, policy=POLICY, trainer_id="t0", group="trainer-p0")))
     steps += rollout(0, 0, 0, make_batch)
@@ -84,7 +86,7 @@ def scenario(make_batch: MakeBatch = batch_ready) -> list[Step]:
               ("engines", s.EngineRestarting(producer=CTRL, engine_id="e1", attempt=1)),
               ("engines", s.EngineLaunching(producer=CTRL, engine_id="e1", url="http://h/e1b", backend="cpu")),
               ("engines", s.EngineReady(producer=CTRL, engine_id="e1", url="http://h/e1b")),
-              ("weights", s.WeightsApplied(producer=CTRL, policy=POLICY, version=1, engine_id="e1", duration_ms=2.0)),
+              (WEIGHTS, s.WeightsApplied(producer=CTRL, policy=POLICY, version=1, engine_id="e1", duration_ms=2.0)),
               ("engines", s.EngineServing(producer=CTRL, engine_id="e1", url="http://h/e1b", versions={POLICY: 1}))]
     steps += consumed(1, 1, 1, 1)
     steps += update(2)
@@ -207,7 +209,7 @@ def test_the_rendered_timeline_names_engines_policies_and_batches() -> None:
 
 
 def test_a_version_refused_as_a_whole_counts_for_the_policy_and_makes_no_engine() -> None:
-    refused = ("weights", s.WeightUpdateFailed(producer=CTRL, policy=POLICY, version=9, engine_id="",
+    refused = (WEIGHTS, s.WeightUpdateFailed(producer=CTRL, policy=POLICY, version=9, engine_id="",
                                                reason="superseded by a newer version"))
     t = timeline(synthetic([*scenario(), refused]))
     assert "" not in t.engines and set(t.engines) == {"e0", "e1"}

@@ -19,7 +19,7 @@ from rollout_bus.replay.logfile import LogEntry
 from rollout_bus.replay.picture import Picture, picture
 from rollout_bus.replay.picture_html import render_html, staleness_colour
 from rollout_bus.replay.picture_png import write_png
-from tests.unit.test_timeline import CTRL, POLICY, TRAIN, Step, scenario
+from tests.unit.test_timeline import CTRL, POLICY, TRAIN, WEIGHTS, Step, scenario
 
 HOSTILE = '<script>alert("x")</script> & more'
 
@@ -42,7 +42,7 @@ def planted() -> list[LogEntry]:
     rejoin = ("trainers", s.TrainerJoined(producer=TRAIN, policy=POLICY, trainer_id="t0", group="trainer-p0"))
     steps.insert(len(steps) - 3, rejoin)  # the trainer restarts late in the run
     # the controller names no engine when a newer version supersedes an update: no lane for it
-    steps.append(("weights", s.WeightUpdateFailed(producer=CTRL, policy=POLICY, version=3, engine_id="",
+    steps.append((WEIGHTS, s.WeightUpdateFailed(producer=CTRL, policy=POLICY, version=3, engine_id="",
                                                   reason="superseded by version 4")))
     return entries_of(steps, dead_after=len(steps) // 2)
 

@@ -96,7 +96,7 @@ def test_a_deposed_trainer_neither_replaces_nor_announces_the_successors_version
         stale.publish(None, 1)
     assert read_manifest(version_dir(tmp_path, "alpha", 1))[1] == digest == published.sha256
     assert sorted(p.name for p in (tmp_path / "alpha").iterdir()) == ["v000001"]  # nothing staged left, no v2
-    announced = [decode(f) for _, f in page(client, keys.weight_stream)]
+    announced = [decode(f) for _, f in page(client, keys.weight_stream("alpha"))]
     assert [(e.version, e.sha256) for e in announced if isinstance(e, WeightsPublished)] == [(1, digest)]
 
 

@@ -99,7 +99,7 @@ def test_a_step_without_signal_publishes_nothing_and_every_mode_goes_on(
     assert state is not None and state.step == 4 and state.version == 3  # four steps, three versions
     assert state.counters["skipped_no_signal"] == 1 and flat in state.dropped
     assert flat not in {b for _, b in state.trained}
-    published = [e.version for e in events_of(client, keys.weight_stream, WeightsPublished)]
+    published = [e.version for e in events_of(client, keys.weight_stream("default"), WeightsPublished)]
     assert published == [1, 2, 3]
     steps = events_of(client, keys.trainer_stream, TrainStepDone)
     assert [s.step for s in steps] == [1, 2, 3, 4]

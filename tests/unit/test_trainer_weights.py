@@ -40,7 +40,7 @@ def test_a_version_is_saved_hashed_and_announced_once(tmp_path: Path, keys: Keys
     assert first.uri == str(directory.resolve())
     assert first.sha256 == hashlib.sha256((directory / "manifest.json").read_bytes()).hexdigest()
     assert verify_weights_dir(directory, first.sha256).kind == "full"  # every file is in the manifest
-    events = [decode(f) for _, f in page(client, keys.weight_stream)]
+    events = [decode(f) for _, f in page(client, keys.weight_stream("alpha"))]
     assert len(events) == 1 and isinstance(events[0], WeightsPublished)
     assert (events[0].policy, events[0].version, events[0].sha256) == ("alpha", 3, first.sha256)
     reloaded = load_model(directory)
@@ -59,13 +59,13 @@ def test_old_versions_are_pruned_only_once_the_controller_is_done_with_them(tmp_
     for v in range(1, 5):
         weights.publish(model, v)
     assert on_disk(tmp_path) == [1, 2, 3, 4]  # nothing settled yet: the controller may be verifying any of them
-    controller.publish(keys.weight_stream, WeightVersionServing(producer=controller.producer, policy="alpha",
+    controller.publish(keys.weight_stream("alpha"), WeightVersionServing(producer=controller.producer, policy="alpha",
                                                                 version=3, engine_ids=["e0"]))
-    controller.publish(keys.weight_stream, WeightVersionServing(producer=controller.producer, policy="other",
+    controller.publish(keys.weight_stream("other"), WeightVersionServing(producer=controller.producer, policy="other",
                                                                 version=9, engine_ids=["e0"]))
     weights.publish(model, 5)
     assert on_disk(tmp_path) == [3, 4, 5]  # below the served one: gone; served and in flight: kept
-    controller.publish(keys.weight_stream, WeightUpdateFailed(producer=controller.producer, policy="alpha",
+    controller.publish(keys.weight_stream("alpha"), WeightUpdateFailed(producer=controller.producer, policy="alpha",
                                                               version=4, engine_id="", reason="superseded by 5"))
     weights.publish(model, 6)
     assert on_disk(tmp_path) == [3, 5, 6]  # a version given up on goes too; 5 is still in flight
@@ -77,7 +77,7 @@ def test_waiting_ends_at_the_serving_announcement(tmp_path: Path, keys: Keys) ->
     announcer = Publisher(client, keys, Producer("controller", "c"))
 
     def announce() -> None:
-        announcer.publish(keys.weight_stream, WeightVersionServing(producer=announcer.producer, policy="alpha",
+        announcer.publish(keys.weight_stream("alpha"), WeightVersionServing(producer=announcer.producer, policy="alpha",
                                                                    version=2, engine_ids=["e0"]))
     timer = threading.Timer(0.2, announce)
     timer.start()

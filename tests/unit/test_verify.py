@@ -17,6 +17,7 @@ from tests.unit.test_timeline import (
     EXEC,
     POLICY,
     TRAIN,
+    WEIGHTS,
     Step,
     batch_ready,
     publish_scenario,
@@ -52,8 +53,8 @@ def test_an_engine_serving_a_version_never_published_is_named() -> None:
 
 def test_an_engine_serving_a_published_version_it_never_received_is_named() -> None:
     steps = scenario()
-    steps += [("weights", s.WeightsPublished(producer=TRAIN, policy=POLICY, version=3, uri="u", sha256="x")),
-              ("weights", s.WeightsApplied(producer=CTRL, policy=POLICY, version=3, engine_id="e0", duration_ms=1)),
+    steps += [(WEIGHTS, s.WeightsPublished(producer=TRAIN, policy=POLICY, version=3, uri="u", sha256="x")),
+              (WEIGHTS, s.WeightsApplied(producer=CTRL, policy=POLICY, version=3, engine_id="e0", duration_ms=1)),
               ("engines", s.EngineServing(producer=CTRL, engine_id="e1", url="u", versions={POLICY: 3}))]
     (v,) = verify(synthetic(steps))
     assert (v.kind, v.ids) == ("version_not_received", {"engine_id": "e1", "policy": POLICY, "version": 3})
@@ -66,7 +67,7 @@ def test_a_relaunched_engine_must_receive_the_weights_again_before_serving_them(
               ("engines", s.EngineServing(producer=CTRL, engine_id="e0", url="u", versions={POLICY: 2}))]
     (v,) = verify(synthetic(steps))
     assert (v.kind, v.ids) == ("version_not_received", {"engine_id": "e0", "policy": POLICY, "version": 2})
-    steps.insert(-1, ("weights", s.WeightsApplied(producer=CTRL, policy=POLICY, version=2, engine_id="e0",
+    steps.insert(-1, (WEIGHTS, s.WeightsApplied(producer=CTRL, policy=POLICY, version=2, engine_id="e0",
                                                   duration_ms=1)))
     assert verify(synthetic(steps)) == []
 
@@ -84,9 +85,9 @@ def test_a_request_with_two_batches_is_named_with_both_entries() -> None:
 
 def test_versions_going_backwards_are_named_per_policy_and_per_engine() -> None:
     steps = scenario()
-    steps += [("weights", s.WeightsPublished(producer=TRAIN, policy=POLICY, version=1, uri="u", sha256="x")),
-              ("weights", s.WeightsApplied(producer=CTRL, policy=POLICY, version=1, engine_id="e0", duration_ms=1)),
-              ("weights", s.WeightVersionServing(producer=CTRL, policy=POLICY, version=1, engine_ids=["e0"]))]
+    steps += [(WEIGHTS, s.WeightsPublished(producer=TRAIN, policy=POLICY, version=1, uri="u", sha256="x")),
+              (WEIGHTS, s.WeightsApplied(producer=CTRL, policy=POLICY, version=1, engine_id="e0", duration_ms=1)),
+              (WEIGHTS, s.WeightVersionServing(producer=CTRL, policy=POLICY, version=1, engine_ids=["e0"]))]
     found = verify(synthetic(steps))
     assert kinds(found) == ["version_backwards"] * 3
     by_what = {tuple(sorted(v.ids.items())): v for v in found}
@@ -117,7 +118,7 @@ def test_several_planted_violations_are_all_reported() -> None:
     steps = scenario()
     steps += [("engines", s.EngineServing(producer=CTRL, engine_id="e0", url="u", versions={POLICY: 7})),
               ("batches/p0", batch_ready("batch-0-dup", "req-0", 0, 0, 0)),
-              ("weights", s.WeightsPublished(producer=TRAIN, policy=POLICY, version=1, uri="u", sha256="x"))]
+              (WEIGHTS, s.WeightsPublished(producer=TRAIN, policy=POLICY, version=1, uri="u", sha256="x"))]
     assert kinds(verify(synthetic(steps))) == ["duplicate_batch", "version_backwards", "version_not_published"]
 
 
