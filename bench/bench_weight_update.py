@@ -15,7 +15,8 @@ the directory ``rollout-bus prepare-model smollm2`` prints; without it a random-
 config: 30 layers, hidden 576, 9 heads of which 3 key/value, intermediate 1536, vocabulary 49152, tied
 embeddings, 135M parameters, 540 MB in float32). The controller launches ``--engines`` CPU engines with
 ``weight_sync="broadcast"``; a ``trainer.broadcast.WeightSender`` in this process is rank 0. Each trial writes
-a new version and pushes it with the controller's own round step, alternately (ABBA) from disk
+a new version and pushes it with the controller's own round step (after one uncounted broadcast that opens
+the group, once per engine lifetime), alternately (ABBA) from disk
 (``/update_weights_from_disk``) and by collective (the weight-update group, gloo, ``--bucket-mb``), the
 sender's copy of the version prepared before the round, as a trainer's is. The figure is the engine's
 pause: from the pause call to the engine serving the new version after ``/continue_generation``
@@ -150,9 +151,9 @@ async def run_sync(args: argparse.Namespace, workdir: Path) -> None:
         assert ctl.updater.broadcast is not None
         try:
             with OutsideLoad() as outside:
-                for trial in range(2 * args.trials):
-                    plane = "broadcast" if (trial % 4) in (1, 2) else "disk"  # ABBA
-                    version = trial + 1
+                for trial in range(-1, 2 * args.trials):  # -1: a broadcast that opens the group, not counted
+                    plane = "broadcast" if trial < 0 or (trial % 4) in (1, 2) else "disk"  # ABBA
+                    version = trial + 2
                     path, sha = await asyncio.to_thread(write_version, base, root / "default" / f"v{version:06d}",
                                                         seed=version, scale=0.001)
                     target = await asyncio.to_thread(verify, "default", version, str(path), sha, root,
@@ -176,9 +177,10 @@ async def run_sync(args: argparse.Namespace, workdir: Path) -> None:
                     digests = [await h.client.weights_digest() for h in engines]
                     assert all(d["digest"] == target.digest for d in digests), "an engine's digest differs"
                     pause = statistics.median(o.duration_s for o in outcomes)
-                    pauses[plane].append(pause)
-                    print(f"trial {trial + 1}: {plane:<9} v{version} pause {pause * 1000:.0f} ms "
-                          f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                    if trial >= 0:
+                        pauses[plane].append(pause)
+                    print(f"trial {trial + 1 if trial >= 0 else 'warm-up (opens the group)'}: {plane:<9} v{version} "
+                          f"pause {pause * 1000:.0f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
         finally:
             sender.stop()
             await ctl.stop()

@@ -6,7 +6,8 @@ A trainer that offers a version by collective names its rendezvous store and buc
 that sends every tensor of the directory once). A round then pushes the version to the engines that
 lag, together, under every engine's lock:
 
-1. pause each (the configured mode);
+1. pause each (the configured mode; with ``broadcast_pause`` ``swap``, only before the last bucket: the
+   CPU engine stages what it receives, so it serves the old weights meanwhile);
 2. the group: one per policy, kept open across versions while its members (the engines, in order) and
    the trainer's address stay the same. Otherwise the old one is destroyed on the engines that had it
    and a new one opened: ``WeightBroadcastRequested`` (``new_group``) tells the trainer to join as rank 0
@@ -107,12 +108,26 @@ class WeightBroadcast:
         return self.core.config.weight_sync == "broadcast" and target.kind == "full" and bool(target.group_address)
 
     async def push_all(self, target: Target, engines: list[EngineHandle]) -> dict[str, Outcome]:
-        """Deliver ``target`` to ``engines`` (paused, locked): by collective, else by disk; outcome per engine id."""
+        """Deliver ``target`` to ``engines`` (locked): by collective, else by disk; outcome per engine id.
+
+        ``broadcast_pause`` ``before``: every engine is paused before the first bucket (what a real SGLang
+        engine needs: it loads each bucket as it arrives). ``swap``: the engines stage (the CPU engine does),
+        so they keep serving the old weights while every bucket but the last arrives, and are paused for the
+        last one, which swaps the whole set in; a failure before the pause breaks the group as any other."""
         shapes = await asyncio.to_thread(_shapes, target)
         problem = offer_problem(target, shapes) if shapes is not None else "the version's tensors are unreadable"
         cfg = self.core.config
-        paused: list[EngineHandle] = []
         outcomes: dict[str, Outcome] = {}
+        early = cfg.broadcast_pause == "swap" and problem is None and len(target.buckets) > 1
+        broken = False
+        if early:
+            assert shapes is not None
+            try:
+                await self._broadcast(target, engines, shapes, last=False)
+            except BroadcastFailed as exc:
+                await self._break(target.policy, engines, exc.reason)
+                broken = True
+        paused: list[EngineHandle] = []
 
         async def pause(h: EngineHandle) -> None:
             try:
@@ -122,15 +137,18 @@ class WeightBroadcast:
                 outcomes[h.engine_id] = ("failed", f"{exc.path}: {exc.message}")
         await asyncio.gather(*(pause(h) for h in engines))
         paused.sort(key=lambda h: engines.index(h))
+        if early and not broken and len(paused) < len(engines):  # a member missing: the last bucket cannot go
+            await self._break(target.policy, paused, "an engine of the group did not pause")
+            broken = True
         if paused:
-            if problem is None:
+            if problem is None and not broken:
                 assert shapes is not None
                 try:
-                    await self._broadcast(target, paused, shapes)
+                    await self._broadcast(target, paused, shapes, first=not early)
                     outcomes.update({h.engine_id: ("applied", "") for h in paused})
                 except BroadcastFailed as exc:
                     await self._break(target.policy, paused, exc.reason)
-            else:
+            elif problem is not None:
                 log.warning("%s v%d: not by collective (%s); by disk", target.policy, target.version, problem)
             rest = [h for h in paused if h.engine_id not in outcomes]
             if rest:
@@ -140,28 +158,35 @@ class WeightBroadcast:
         return outcomes
 
     # --- the collective ----------------------------------------------------------------------------
-    async def _broadcast(self, target: Target, engines: list[EngineHandle], shapes: Shapes) -> None:
+    async def _broadcast(self, target: Target, engines: list[EngineHandle], shapes: Shapes, *, first: bool = True,
+                         last: bool = True) -> None:
+        """The group (opened if new) and the request, with ``first``; every bucket but the last, then the last
+        one (with ``last``)."""
         cfg = self.core.config
-        group, new = self._group_for(target, engines)
-        if new:
-            await self._close(target.policy)
-        await self.core.bus.weights_event(self.core.event(
-            WeightBroadcastRequested, policy=target.policy, version=target.version, group_name=group.name,
-            world_size=len(group.members) + 1, new_group=new))
         limit = cfg.group_timeout_s + cfg.request_timeout_s
-        if new:
-            host, port = split_address(group.address) or ("", 0)
-            await self._all(engines, "opening the group", lambda i, h: h.client.init_weights_update_group(
-                host, port, i + 1, len(engines) + 1, group_name=group.name, backend=group.backend, timeout_s=limit))
-            self.groups[target.policy] = group
+        if first:
+            group, new = self._group_for(target, engines)
+            if new:
+                await self._close(target.policy)
+            await self.core.bus.weights_event(self.core.event(
+                WeightBroadcastRequested, policy=target.policy, version=target.version, group_name=group.name,
+                world_size=len(group.members) + 1, new_group=new))
+            if new:
+                host, port = split_address(group.address) or ("", 0)
+                await self._all(engines, "opening the group", lambda i, h: h.client.init_weights_update_group(
+                    host, port, i + 1, len(engines) + 1, group_name=group.name, backend=group.backend,
+                    timeout_s=limit))
+                self.groups[target.policy] = group
+        group = self.groups[target.policy]
         flush = cfg.pause_mode != "in_place"
-        last = len(target.buckets) - 1
-        for index, bucket in enumerate(target.buckets):
-            names = list(bucket)
+        count = len(target.buckets)
+        indices = range(0 if first else count - 1, count if last else count - 1)
+        for index in indices:
+            names = list(target.buckets[index])
             dtypes = [TORCH_DTYPE_NAMES[shapes[n][0]] for n in names]
             dims = [list(shapes[n][1]) for n in names]
-            await self._all(engines, f"bucket {index + 1} of {last + 1}", functools.partial(
-                _send_bucket, names, dtypes, dims, group.name, target.version, flush and index == last, limit))
+            await self._all(engines, f"bucket {index + 1} of {count}", functools.partial(
+                _send_bucket, names, dtypes, dims, group.name, target.version, flush and index == count - 1, limit))
 
     def _group_for(self, target: Target, engines: list[EngineHandle]) -> tuple[OpenGroup, bool]:
         members = tuple(h.engine_id for h in engines)

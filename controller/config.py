@@ -28,6 +28,7 @@ BACKENDS: tuple[str, ...] = get_args(BackendName)
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 WeightSync = Literal["disk", "broadcast"]
 WEIGHT_SYNCS: tuple[str, ...] = get_args(WeightSync)
+BROADCAST_PAUSES = ("before", "swap")
 OFFLOAD_TAGS: tuple[str, ...] = get_args(OffloadTag)
 
 
@@ -135,6 +136,10 @@ class ControllerConfig:
     weight_sync: str = "disk"
     """``broadcast``: full weights a trainer offers by collective go through the engines' weight-update group
     (``controller.broadcast``), the version directory staying the fallback; ``disk``: always the directory."""
+    broadcast_pause: str = "before"
+    """broadcast: ``before`` pauses the engines before the first bucket (a real SGLang engine loads each bucket as
+    it arrives); ``swap`` only before the last one, for engines that stage a version and swap it in whole (the
+    CPU engine): they serve the old weights while the rest arrives."""
     group_timeout_s: float = 60.0
     """broadcast: how long a weight-update group may take to form, or a rank in a broadcast (the CPU engine's
     ``--dist-timeout``); a group that breaks or times out is destroyed and the version delivered by disk."""
@@ -262,6 +267,11 @@ class ControllerConfig:
             problems.append(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if self.weight_sync not in WEIGHT_SYNCS:
             problems.append(f"weight_sync {self.weight_sync!r} is not one of {list(WEIGHT_SYNCS)}")
+        if self.broadcast_pause not in BROADCAST_PAUSES:
+            problems.append(f"broadcast_pause {self.broadcast_pause!r} is not one of {list(BROADCAST_PAUSES)}")
+        if self.broadcast_pause == "swap" and self.backend == "sglang":
+            problems.append("broadcast_pause swap needs engines that stage a version (the CPU engine): SGLang loads "
+                            "each bucket as it arrives, so it must be paused before the first")
         if not self.group_timeout_s > 0:
             problems.append(f"group_timeout_s must be > 0, got {self.group_timeout_s}")
         if self.pause_mode not in PAUSE_MODES:

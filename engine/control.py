@@ -210,8 +210,7 @@ class Control:
                 return web.json_response({"success": True, "message": (
                     f"Received {staged.received} tensors; {staged.staged} of {staged.total} staged for weight "
                     f"version {version}: the served weights change once all have arrived.")})
-            digest = await loop.run_in_executor(None, state_digest, staged.state)
-            update = WeightUpdate(staged.state, version, self.model.source, digest, collective=True)
+            update = WeightUpdate(staged.state, version, self.model.source, staged.digest, collective=True)
             outcome = await asyncio.wrap_future(self.scheduler.update_weights(update, abort_all, flush))
         except EngineError as exc:
             logger.warning("weights from group rejected: %s", exc)

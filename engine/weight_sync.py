@@ -9,7 +9,8 @@ it instead of hanging the engine.
 
 ``/update_weights_from_distributed`` names a bucket (``names``, ``dtypes``, ``shapes``): each name must
 be a tensor of the served model with that shape and dtype, or nothing is received. The tensors are
-received from rank 0 (``broadcast``) into fresh memory, checked finite, and staged: the served weights
+received from rank 0 (``broadcast``) into fresh memory, checked finite, digested (its lines of
+``lm.hf.state_digest``) and staged: the served weights
 do not change until every tensor of the model has arrived for the same ``weight_version``, and then
 all of them are swapped in at once by the scheduler, between two steps (``WeightsStaged.complete``).
 A failed or refused bucket drops what was staged, so no engine ever serves a half-updated set; a
@@ -32,8 +33,8 @@ from torch import Tensor
 
 from rollout_bus.engine.errors import BadRequest
 from rollout_bus.engine.served import check_tensors
-from rollout_bus.lm.files import Shapes
-from rollout_bus.lm.hf import SAFETENSORS_DTYPES
+from rollout_bus.lm.files import Shapes, combine_digest
+from rollout_bus.lm.hf import SAFETENSORS_DTYPES, state_lines
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class Stage:
     group: str
     version: str | None
     tensors: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    lines: dict[str, bytes] = field(default_factory=dict, repr=False)
+    """Each staged tensor's line of the digest, taken as it arrived."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class WeightsStaged:
     staged: int
     total: int
     state: dict[str, Tensor] | None = field(default=None, repr=False)
+    digest: str = ""
+    """``lm.hf.state_digest`` of ``state`` (built from each bucket's lines as they arrived)."""
 
     @property
     def complete(self) -> bool:
@@ -178,6 +183,7 @@ class WeightGroups:
         problems = check_tensors({n: self.reference[n] for n in buffers}, buffers)
         if problems:
             raise BadRequest(f"received weights do not fit the served model: {'; '.join(problems)}")
+        lines = state_lines(buffers)
         with self._lock:
             stage = self._stage
             if stage is None or (stage.group, stage.version) != (group_name, version):
@@ -186,11 +192,12 @@ class WeightGroups:
                                    len(stage.tensors), stage.version, version)
                 stage = self._stage = Stage(group_name, version)
             stage.tensors.update(buffers)
+            stage.lines.update(lines)
             staged = len(stage.tensors)
             if staged < len(self.reference):
                 return WeightsStaged(len(buffers), staged, len(self.reference))
             self._stage = None
-        return WeightsStaged(len(buffers), staged, len(self.reference), stage.tensors)
+        return WeightsStaged(len(buffers), staged, len(self.reference), stage.tensors, combine_digest(stage.lines))
 
     def _buffers(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
                  backend: str) -> dict[str, Tensor]:

@@ -4,7 +4,8 @@ controller with ``weight_sync="broadcast"``, and a trainer's publisher and sende
 
 A version offered by collective reaches both engines without ``/update_weights_from_disk`` (their
 ``model_path`` stays the launch one) and each reports the version directory's digest; a second version
-reuses the open group. Faults: an engine killed mid-broadcast, the sender killed mid-broadcast, and a
+reuses the open group; so with ``broadcast_pause="swap"`` (the engines serve the old weights while all but the
+last bucket arrive). Faults: an engine killed mid-broadcast, the sender killed mid-broadcast, and a
 sender that hangs until the group times out each leave every live engine on the old version or the new
 one (its digest one of the two, never a mix), the broken group destroyed, and the version delivered by
 disk; the next version opens a new group.
@@ -114,11 +115,12 @@ def requests(client: redis.Redis, keys: Keys) -> list[WeightBroadcastRequested]:
     return [e for e in read_events(client, keys.weight_stream) if isinstance(e, WeightBroadcastRequested)]
 
 
+@pytest.mark.parametrize("pause", ["before", "swap"])
 def test_versions_travel_by_collective_and_the_engines_report_the_directory_digest(
-        keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        pause: str, keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
         engines: list[EngineProcess], senders: list[Sender]) -> None:
     async def scenario() -> None:
-        ctl = InferenceController(config(keys, redis_server, root, engines), redis_client)
+        ctl = InferenceController(config(keys, redis_server, root, engines, broadcast_pause=pause), redis_client)
         await ctl.start()
         try:
             await ctl.wait_serving(timeout_s=20)
@@ -144,7 +146,7 @@ def test_versions_travel_by_collective_and_the_engines_report_the_directory_dige
 
 
 def _fault_scenario(keys: Keys, server: RedisServer, client: redis.Redis, root: Path, engines: list[EngineProcess],
-                    senders: list[Sender], fault: str) -> dict[str, Any]:
+                    senders: list[Sender], fault: str, pause: str) -> dict[str, Any]:
     """Version 1 by collective with a fault mid-way; it must end delivered by disk to the live engines, then
     version 2 (from a fresh sender) by collective in a new group. Returns what the test checks."""
     old = tensors_digest(root / "base")
@@ -153,7 +155,7 @@ def _fault_scenario(keys: Keys, server: RedisServer, client: redis.Redis, root: 
     out: dict[str, Any] = {}
 
     async def scenario() -> None:
-        ctl = InferenceController(config(keys, server, root, engines), client)
+        ctl = InferenceController(config(keys, server, root, engines, broadcast_pause=pause), client)
         await ctl.start()
         try:
             await ctl.wait_serving(timeout_s=20)
@@ -195,11 +197,12 @@ def _fault_scenario(keys: Keys, server: RedisServer, client: redis.Redis, root: 
     return out
 
 
-@pytest.mark.parametrize("fault", ["engine", "trainer", "timeout"])
+@pytest.mark.parametrize(("fault", "pause"), [("engine", "before"), ("trainer", "before"), ("timeout", "before"),
+                                              ("engine", "swap"), ("trainer", "swap")])
 def test_a_broken_broadcast_leaves_no_mix_destroys_the_group_and_delivers_by_disk(
-        fault: str, keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
+        fault: str, pause: str, keys: Keys, redis_server: RedisServer, redis_client: redis.Redis, root: Path,
         engines: list[EngineProcess], senders: list[Sender]) -> None:
-    out = _fault_scenario(keys, redis_server, redis_client, root, engines, senders, fault)
+    out = _fault_scenario(keys, redis_server, redis_client, root, engines, senders, fault, pause)
     assert 3 <= out["buckets_at_fault"] < 19, out
     v1 = tensors_digest(version_dir(root, "default", 1))
     v2 = tensors_digest(version_dir(root, "default", 2))
