@@ -20,8 +20,10 @@ the group, once per engine lifetime), alternately (ABBA) from disk
 (``/update_weights_from_disk``) and by collective (the weight-update group, gloo, ``--bucket-mb``), the
 sender's copy of the version prepared before the round, as a trainer's is. The figure is the engine's
 pause: from the pause call to the engine serving the new version after ``/continue_generation``
-(``EngineOutcome.duration_s``). Reported: median and spread per plane, and the per-trial ratio
-broadcast / disk (target <= 0.5), with the load judged from outside (``bench.verdict``).
+(a disk push's ``EngineOutcome.duration_s``, ``WeightBroadcast.last_pauses`` for a broadcast). Three planes,
+rotated ABC CBA: ``disk``, ``broadcast`` (paused before the first bucket, as SGLang needs) and ``swap``
+(``broadcast_pause="swap"``: paused before the last bucket only, the engine staging the rest). Reported: median
+and spread per plane, and the per-round ratio of each broadcast plane to disk (target <= 0.5), with the load judged from outside (``bench.verdict``).
 
     python bench/bench_weight_update.py --weight-sync [--engines 1] [--trials 3] [--model DIR]
 """
@@ -118,6 +120,15 @@ def phase_profile(path: Path) -> dict[str, float]:
     return phases
 
 
+def pauses_of(outcomes: list[Any], plane: str, ctl: InferenceController) -> list[float]:
+    """Each engine's pause, from the pause call to serving the new version after ``/continue_generation``: a disk
+    push's duration, or what the broadcast measured (under ``swap`` the push is longer than the pause)."""
+    if plane == "disk":
+        return [o.duration_s for o in outcomes]
+    assert ctl.updater.broadcast is not None
+    return list(ctl.updater.broadcast.last_pauses.values())
+
+
 async def run_sync(args: argparse.Namespace, workdir: Path) -> None:
     """Disk against broadcast: the engine's pause for full SmolLM2 weights (see the module docstring)."""
     import dataclasses
@@ -147,18 +158,20 @@ async def run_sync(args: argparse.Namespace, workdir: Path) -> None:
         print(f"{args.engines} engine(s) up in {time.perf_counter() - started:.1f}s; weights {size_mb:.0f} MB "
               f"({len(tensor_shapes(base))} tensors); pause mode {args.pause_mode}; bucket {args.bucket_mb:g} MB",
               flush=True)
-        pauses: dict[str, list[float]] = {"disk": [], "broadcast": []}
+        pauses: dict[str, list[float]] = {"disk": [], "broadcast": [], "swap": []}
+        planes = list(pauses)
+        order = [("broadcast", -1)] + [(plane, r) for r in range(args.trials)
+                                       for plane in (planes if r % 2 == 0 else planes[::-1])]  # ABC CBA
         assert ctl.updater.broadcast is not None
         try:
             with OutsideLoad() as outside:
-                for trial in range(-1, 2 * args.trials):  # -1: a broadcast that opens the group, not counted
-                    plane = "broadcast" if trial < 0 or (trial % 4) in (1, 2) else "disk"  # ABBA
-                    version = trial + 2
+                for trial, (plane, round_) in enumerate(order):
+                    version = trial + 1
                     path, sha = await asyncio.to_thread(write_version, base, root / "default" / f"v{version:06d}",
                                                         seed=version, scale=0.001)
                     target = await asyncio.to_thread(verify, "default", version, str(path), sha, root,
                                                      ctl.updater.reference)
-                    if plane == "broadcast":
+                    if plane != "disk":
                         plan = await asyncio.to_thread(sender.offer, version, None, path)
                         assert plan is not None
                         last = client.xrevrange(keys.weight_stream, count=1)
@@ -167,30 +180,31 @@ async def run_sync(args: argparse.Namespace, workdir: Path) -> None:
                                                      buckets=tuple(tuple(b) for b in plan))
                     ctl.core.book.accept(target)
                     engines = ctl.core.serving()
-                    if plane == "broadcast":
+                    ctl.core.config.broadcast_pause = "swap" if plane == "swap" else "before"
+                    if plane != "disk":
                         outcomes = await ctl.updater.broadcast_all(target, engines)
                     else:
                         outcomes = await ctl.updater.apply_all(target, engines)
                     assert [o.status for o in outcomes] == ["applied"] * args.engines, outcomes
-                    if plane == "broadcast":
+                    if plane != "disk":
                         assert ctl.updater.broadcast.fallbacks == 0, "a broadcast fell back to disk"
                     digests = [await h.client.weights_digest() for h in engines]
                     assert all(d["digest"] == target.digest for d in digests), "an engine's digest differs"
-                    pause = statistics.median(o.duration_s for o in outcomes)
-                    if trial >= 0:
+                    pause = statistics.median(pauses_of(outcomes, plane, ctl))
+                    if round_ >= 0:
                         pauses[plane].append(pause)
-                    print(f"trial {trial + 1 if trial >= 0 else 'warm-up (opens the group)'}: {plane:<9} v{version} "
-                          f"pause {pause * 1000:.0f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
+                    print(f"{'round ' + str(round_ + 1) if round_ >= 0 else 'warm-up (opens the group)'}: {plane:<9} "
+                          f"v{version} pause {pause * 1000:.0f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
         finally:
             sender.stop()
             await ctl.stop()
             client.close()
         profile = phase_profile(path)
     print("phases alone, one version: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in profile.items()))
-    ratios = paired_ratios(pauses["broadcast"], pauses["disk"])
     for plane, values in pauses.items():
         print(f"{plane:<9} pause: {spread([v * 1000 for v in values])} ms")
-    print(table([Row("bench_weight_update", "broadcast / disk pause", ratios, Target("<=", 0.5), outside.load)]))
+    print(table([Row("bench_weight_update", f"{plane} / disk pause", paired_ratios(pauses[plane], pauses["disk"]),
+                     Target("<=", 0.5), outside.load) for plane in ("broadcast", "swap")]))
     print(f"load average before {outside.load.before:.2f}, {os.getloadavg()[0]:.2f} at the end on "
           f"{os.cpu_count()} CPUs")
 

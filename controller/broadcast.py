@@ -33,6 +33,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,8 @@ class WeightBroadcast:
         self.groups: dict[str, OpenGroup] = {}
         self.fallbacks = 0
         """Versions delivered by disk after a broadcast broke (since start)."""
+        self.last_pauses: dict[str, float] = {}
+        """Seconds each engine of the last push was paused: from the pause call until it continued."""
         self._serial = itertools.count(1)
         self._tag = os.urandom(3).hex()
 
@@ -128,8 +131,11 @@ class WeightBroadcast:
                 await self._break(target.policy, engines, exc.reason)
                 broken = True
         paused: list[EngineHandle] = []
+        paused_at: dict[str, float] = {}
+        self.last_pauses = {}
 
         async def pause(h: EngineHandle) -> None:
+            paused_at[h.engine_id] = time.perf_counter()
             try:
                 await h.client.pause_generation(cfg.pause_mode, timeout_s=cfg.request_timeout_s)
                 paused.append(h)
@@ -155,6 +161,7 @@ class WeightBroadcast:
                 results = await asyncio.gather(*(self._disk(h, target) for h in rest))
                 outcomes.update({h.engine_id: o for h, o in zip(rest, results, strict=True)})
             await asyncio.gather(*(self._finish(h, target, outcomes) for h in paused))
+            self.last_pauses = {h.engine_id: time.perf_counter() - paused_at[h.engine_id] for h in paused}
         return outcomes
 
     # --- the collective ----------------------------------------------------------------------------
