@@ -50,6 +50,8 @@ class LaunchSpec:
     """The address the engine registers under (other hosts reach it there); "": ``host``."""
     weights_root: str = ""
     """Where published weights live: a CPU engine loads over HTTP only from there (``--weights-root``)."""
+    dist_timeout_s: float = 0.0
+    """A CPU engine's ``--dist-timeout`` (its weight-update groups' timeout); 0: the engine's default."""
     inner_port: int = 0
     """Where an engine behind a guard listens on loopback (0: a free port when the command is built)."""
 
@@ -91,6 +93,8 @@ class CpuBackend(Backend):
             cmd += ["--api-key", spec.api_key]
         if spec.weights_root:
             cmd += ["--weights-root", spec.weights_root]
+        if spec.dist_timeout_s:
+            cmd += ["--dist-timeout", f"{spec.dist_timeout_s:g}"]
         if spec.enable_lora:
             cmd += ["--enable-lora", "--max-loras-per-batch", str(spec.max_loras_per_batch),
                     "--max-lora-rank", str(spec.max_lora_rank)]

@@ -13,7 +13,14 @@ import logging
 import os
 import sys
 
-from rollout_bus.controller.config import BACKENDS, PAUSE_MODES, ConfigError, ControllerConfig
+from rollout_bus.controller.config import (
+    BACKENDS,
+    BROADCAST_PAUSES,
+    PAUSE_MODES,
+    WEIGHT_SYNCS,
+    ConfigError,
+    ControllerConfig,
+)
 from rollout_bus.events.names import name_arg
 
 
@@ -79,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-policy", default=d.base_policy, type=name_arg("base policy"))
     p.add_argument("--pause-mode", choices=PAUSE_MODES, default=d.pause_mode)
     p.add_argument("--update-timeout-s", type=float, default=d.update_timeout_s)
+    p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default=d.weight_sync,
+                   help="broadcast: full weights a trainer offers by collective go through the engines' weight-update "
+                        "group (the version directory is the fallback); disk: engines always load the directory")
+    p.add_argument("--broadcast-pause", choices=BROADCAST_PAUSES, default=d.broadcast_pause,
+                   help="broadcast: pause the engines before the first bucket (SGLang), or only before the last one "
+                        "(swap: engines that stage a version and swap it in whole, the CPU engine)")
+    p.add_argument("--group-timeout-s", type=float, default=d.group_timeout_s,
+                   help="broadcast: how long a weight-update group may take to form, or a rank in a broadcast")
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     p.add_argument("--weights-missing-wait-s", type=float, default=d.weights_missing_wait_s,
                    help="how long a published directory not visible here yet is looked for again, with backoff, "

@@ -26,6 +26,9 @@ PauseMode = Literal["abort", "retract", "in_place"]
 OffloadTag = Literal["weights", "kv_cache", "cuda_graph"]
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+WeightSync = Literal["disk", "broadcast"]
+WEIGHT_SYNCS: tuple[str, ...] = get_args(WeightSync)
+BROADCAST_PAUSES = ("before", "swap")
 OFFLOAD_TAGS: tuple[str, ...] = get_args(OffloadTag)
 
 
@@ -130,6 +133,16 @@ class ControllerConfig:
     pause_mode: str = "retract"
     update_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
+    weight_sync: str = "disk"
+    """``broadcast``: full weights a trainer offers by collective go through the engines' weight-update group
+    (``controller.broadcast``), the version directory staying the fallback; ``disk``: always the directory."""
+    broadcast_pause: str = "before"
+    """broadcast: ``before`` pauses the engines before the first bucket (a real SGLang engine loads each bucket as
+    it arrives); ``swap`` only before the last one, for engines that stage a version and swap it in whole (the
+    CPU engine): they serve the old weights while the rest arrives."""
+    group_timeout_s: float = 60.0
+    """broadcast: how long a weight-update group may take to form, or a rank in a broadcast (the CPU engine's
+    ``--dist-timeout``); a group that breaks or times out is destroyed and the version delivered by disk."""
     weights_missing_wait_s: float = 20.0
     """How long a publication whose directory this host does not see yet (a shared mount late to show it)
     is checked again, with backoff (0.25 s doubling up to 4 s), before its refusal is final; 0: at once.
@@ -252,6 +265,15 @@ class ControllerConfig:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.base_gpu_id < 0:
             problems.append(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            problems.append(f"weight_sync {self.weight_sync!r} is not one of {list(WEIGHT_SYNCS)}")
+        if self.broadcast_pause not in BROADCAST_PAUSES:
+            problems.append(f"broadcast_pause {self.broadcast_pause!r} is not one of {list(BROADCAST_PAUSES)}")
+        if self.broadcast_pause == "swap" and self.backend == "sglang":
+            problems.append("broadcast_pause swap needs engines that stage a version (the CPU engine): SGLang loads "
+                            "each bucket as it arrives, so it must be paused before the first")
+        if not self.group_timeout_s > 0:
+            problems.append(f"group_timeout_s must be > 0, got {self.group_timeout_s}")
         if self.pause_mode not in PAUSE_MODES:
             problems.append(f"pause_mode {self.pause_mode!r} is not one of {list(PAUSE_MODES)}")
         if self.num_engines < 0:

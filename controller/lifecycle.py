@@ -67,6 +67,7 @@ def launch_spec(cfg: ControllerConfig, engine_id: str, port: int,
                       enable_lora=cfg.enable_lora, max_loras_per_batch=cfg.max_loras_per_batch,
                       max_lora_rank=cfg.max_lora_rank, lora_target_modules=tuple(cfg.lora_target_modules),
                       tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size,
+                      dist_timeout_s=cfg.group_timeout_s if cfg.weight_sync == "broadcast" else 0.0,
                       weights_root=str(Path(cfg.weights_root).resolve()) if cfg.weights_root else "")
 
 

@@ -41,6 +41,8 @@ weights unannounced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rollout_bus.controller.broadcast import WeightBroadcast
 from rollout_bus.controller.core import Core
 from rollout_bus.controller.state import EngineHandle
 from rollout_bus.controller.versions import Target
@@ -110,6 +113,8 @@ class WeightUpdater:
         self._served: dict[str, set[int]] = {}
         self._running: set[str] = set()
         self.inflight: set[str] = set()
+        self.broadcast: WeightBroadcast | None = WeightBroadcast(core) if core.config.weight_sync == "broadcast" else None
+        """Full weights by collective where the trainer offers them (``--weight-sync broadcast``)."""
         self.after_applied: Callable[[list[EngineHandle]], Awaitable[object]] | None = None
         """Runs on the engines that applied a version, before it is announced (the weight check)."""
 
@@ -144,6 +149,10 @@ class WeightUpdater:
                     raise BadWeights(problem)
                 target = await asyncio.to_thread(verify, event.policy, event.version, event.uri, event.sha256,
                                                  self.root, self.reference)
+                if event.group_address and target.kind == "full":  # offered by collective too
+                    target = dataclasses.replace(target, group_address=event.group_address,
+                                                 group_backend=event.group_backend,
+                                                 buckets=tuple(tuple(b) for b in event.buckets))
                 self.check_servable(target)
             except BadWeights as exc:
                 reason = exc.reason
@@ -260,7 +269,10 @@ class WeightUpdater:
                 WeightUpdateStarted, policy=policy, version=target.version,
                 engine_ids=[h.engine_id for h in behind]))
             started = time.perf_counter()
-            outcomes = await self.apply_all(target, behind)
+            if self.broadcast is not None and self.broadcast.takes(target):
+                outcomes = await self.broadcast_all(target, behind)
+            else:
+                outcomes = await self.apply_all(target, behind)
             applied = [h for h, o in zip(behind, outcomes, strict=True) if o.status == "applied"]
             if applied and self.after_applied is not None:
                 await self.after_applied(applied)
@@ -302,15 +314,51 @@ class WeightUpdater:
         outcome_kind = "applied" if by_status.get("applied") else "rejected" if rejected else "other"
         self.core.metrics.weight_update_seconds.labels(target.policy, outcome_kind).observe(elapsed_s)
 
+    def _skip_reason(self, h: EngineHandle, target: Target) -> str | None:
+        if h.state != EngineState.SERVING:
+            return f"engine is {h.state.value}"
+        if self.core.book.superseded(target.policy, target.version):
+            return "superseded by a newer version"
+        if not lags(h, target):
+            return "already runs it (or a newer one)"
+        return None
+
     async def _update_engine(self, h: EngineHandle, target: Target) -> EngineOutcome:
         async with self.core.operate(h):
-            if h.state != EngineState.SERVING:
-                return EngineOutcome(h.engine_id, "skipped", f"engine is {h.state.value}")
-            if self.core.book.superseded(target.policy, target.version):
-                return EngineOutcome(h.engine_id, "skipped", "superseded by a newer version")
-            if not lags(h, target):
-                return EngineOutcome(h.engine_id, "skipped", "already runs it (or a newer one)")
+            skip = self._skip_reason(h, target)
+            if skip is not None:
+                return EngineOutcome(h.engine_id, "skipped", skip)
             return await self.push(h, target, pause=True)
+
+    async def broadcast_all(self, target: Target, engines: list[EngineHandle]) -> list[EngineOutcome]:
+        """Push full weights to ``engines`` together through their weight-update group (``controller.broadcast``),
+        by disk where the collective fails; every engine's lock is held meanwhile."""
+        assert self.broadcast is not None
+        outcomes: dict[str, EngineOutcome] = {}
+        async with contextlib.AsyncExitStack() as stack:
+            for h in sorted(engines, key=lambda e: e.engine_id):  # one order: no two rounds wait on each other
+                await stack.enter_async_context(self.core.operate(h))
+            ready = []
+            for h in engines:
+                skip = self._skip_reason(h, target)
+                if skip is not None:
+                    outcomes[h.engine_id] = EngineOutcome(h.engine_id, "skipped", skip)
+                else:
+                    ready.append(h)
+            for h in ready:
+                h.record.updating[target.policy] = target.version
+                await self.core.save(h)
+            started = time.perf_counter()
+            try:
+                results = await self.broadcast.push_all(target, ready) if ready else {}
+            finally:
+                for h in ready:
+                    h.record.updating.pop(target.policy, None)
+            duration = time.perf_counter() - started
+            for h in ready:
+                status, reason = results.get(h.engine_id, ("failed", "no outcome"))
+                outcomes[h.engine_id] = await self._record(h, target, status, reason, duration)  # type: ignore[arg-type]
+        return [outcomes[h.engine_id] for h in engines]
 
     async def push(self, h: EngineHandle, target: Target, *, pause: bool) -> EngineOutcome:
         """Load ``target`` on one engine; the caller holds the engine's lock."""
@@ -324,7 +372,11 @@ class WeightUpdater:
                 status, reason = await self._load_weights(h, target, pause=pause)
         finally:
             h.record.updating.pop(target.policy, None)
-        duration = time.perf_counter() - started
+        return await self._record(h, target, status, reason, time.perf_counter() - started)
+
+    async def _record(self, h: EngineHandle, target: Target, status: Status, reason: str,
+                      duration: float) -> EngineOutcome:
+        """The engine's outcome of a push: its record, ``WeightsApplied`` or ``WeightUpdateFailed``."""
         if status == "applied":
             h.record.versions[target.policy] = target.version
             old = h.record.adapters.get(target.policy)

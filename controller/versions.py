@@ -56,6 +56,11 @@ class Target:
     kind: Literal["full", "adapter"] = "full"
     digest: str = ""
     """``lm.files.tensors_digest`` of the directory, taken when it was verified (what engines must report)."""
+    group_address: str = ""
+    """Where the trainer offers this version by collective (``host:port`` of its rendezvous store); "": disk only."""
+    group_backend: str = ""
+    buckets: tuple[tuple[str, ...], ...] = ()
+    """The trainer's bucket plan: tensor names per ``/update_weights_from_distributed`` call, in order."""
 
 
 class VersionBook:

@@ -9,6 +9,8 @@ from typing import Any
 
 DEFAULT_PREFIX_CACHE_TOKENS = 16384
 """Tokens of finished sequences' KV the prefix cache keeps by default (``--radix-cache-tokens``)."""
+DEFAULT_DIST_TIMEOUT_S = 60.0
+"""Seconds a weight-update group waits for a rank (joining, or in a broadcast) before the call fails."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class EngineArgs:
     weights_root: str | None = None
     disable_radix_cache: bool = False
     radix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
 
     @property
     def prefix_cache_tokens(self) -> int:
@@ -109,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--radix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
                         help="tokens of finished sequences' KV kept for reuse by prompts that start with them "
                              "(least recently used dropped first)")
+    parser.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S,
+                        help="seconds a weight-update group (/init_weights_update_group) waits for a rank, "
+                             "joining or in a broadcast, before the call fails (SGLang's flag)")
     return parser
 
 
@@ -129,6 +135,8 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineArgs:
         parser.error("--torch-threads must be >= 1")
     if ns.radix_cache_tokens < 1:
         parser.error("--radix-cache-tokens must be >= 1 (use --disable-radix-cache to turn the cache off)")
+    if not ns.dist_timeout > 0:
+        parser.error("--dist-timeout must be > 0")
     if ns.max_loras_per_batch < 1:
         parser.error("--max-loras-per-batch must be >= 1")
     if ns.lora_paths:

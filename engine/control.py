@@ -20,6 +20,7 @@ from aiohttp import web
 from rollout_bus.engine.errors import BadRequest, EngineError
 from rollout_bus.engine.protocol import (
     get_bool,
+    get_int,
     get_str,
     get_version,
     parse_json,
@@ -30,6 +31,7 @@ from rollout_bus.engine.runtime import Engine
 from rollout_bus.engine.scheduler import FLUSH_REFUSED, FLUSHED
 from rollout_bus.engine.served import WeightUpdate
 from rollout_bus.events.names import adapter_name_problem
+from rollout_bus.engine.weight_sync import WeightGroups
 from rollout_bus.lm.files import DIGEST_ALGORITHM
 from rollout_bus.lm.hf import state_digest
 
@@ -53,6 +55,19 @@ def _required_str(body: dict[str, Any], name: str) -> str:
     return value
 
 
+def _required_int(body: dict[str, Any], name: str) -> int:
+    if body.get(name) is None:
+        raise BadRequest(f"{name} is required")
+    return get_int(body, name, 0)
+
+
+def _required_list(body: dict[str, Any], name: str) -> list[Any]:
+    value = body.get(name)
+    if not isinstance(value, list):
+        raise BadRequest(f"{name} is required (a list)")
+    return value
+
+
 def _inside(path: str, root: Path) -> bool:
     try:
         return Path(path).resolve().is_relative_to(root)
@@ -68,6 +83,7 @@ class Control:
         root = engine.args.weights_root
         self.weights_root = Path(root).resolve() if root else None
         self.start_model = Path(engine.args.model_path).resolve()
+        self.groups = WeightGroups(self.model.reference, self.model.device, engine.args.dist_timeout)
 
     def check_source(self, field: str, path: str) -> None:
         """``BadRequest`` unless the engine may load from ``path`` (see ``--weights-root``)."""
@@ -89,6 +105,9 @@ class Control:
             post("/flush_cache", self.flush_cache),
             post("/update_weights_from_disk", self.update_weights_from_disk),
             post("/update_weight_version", self.update_weight_version),
+            post("/init_weights_update_group", self.init_weights_update_group),
+            post("/update_weights_from_distributed", self.update_weights_from_distributed),
+            post("/destroy_weights_update_group", self.destroy_weights_update_group),
             post("/pause_generation", self.pause_generation),
             post("/continue_generation", self.continue_generation),
             post("/abort_request", self.abort_request),
@@ -150,6 +169,59 @@ class Control:
         if version is not None:
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": outcome.carried})
+
+    # weights by collective (engine.weight_sync)
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            address = _required_str(body, "master_address")
+            port, rank, world = (_required_int(body, name) for name in ("master_port", "rank_offset", "world_size"))
+            name = get_str(body, "group_name", None) or "weight_update_group"
+            backend = get_str(body, "backend", None) or "nccl"
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.groups.open, address, port, rank, world, name, backend)
+        except EngineError as exc:
+            logger.warning("weight update group not opened: %s", exc)
+            return web.json_response({"success": False, "message": str(exc)}, status=exc.status)
+        return web.json_response({"success": True, "message": f"Succeeded to initialize custom process group {name}."})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            name = get_str(await _body(request), "group_name", None) or "weight_update_group"
+            self.groups.destroy(name)
+        except EngineError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=exc.status)
+        return web.json_response({"success": True, "message": f"Succeeded to destroy custom process group {name}."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """One bucket: received and staged; the last one of a version swaps the whole set in (``engine.weight_sync``)."""
+        try:
+            body = await _body(request)
+            names, dtypes, shapes = (_required_list(body, field) for field in ("names", "dtypes", "shapes"))
+            name = get_str(body, "group_name", None) or "weight_update_group"
+            flush = get_bool(body, "flush_cache", True)
+            abort_all = get_bool(body, "abort_all_requests", False)
+            version = get_version(body, "weight_version")
+            load_format = get_str(body, "load_format", None)
+            if load_format not in (None, "auto"):
+                raise BadRequest(f"load_format {load_format!r} is not supported here; leave it out")
+            loop = asyncio.get_running_loop()
+            staged = await loop.run_in_executor(None, self.groups.receive, name, names, dtypes, shapes, version)
+            if staged.state is None:
+                return web.json_response({"success": True, "message": (
+                    f"Received {staged.received} tensors; {staged.staged} of {staged.total} staged for weight "
+                    f"version {version}: the served weights change once all have arrived.")})
+            update = WeightUpdate(staged.state, version, self.model.source, staged.digest, collective=True)
+            outcome = await asyncio.wrap_future(self.scheduler.update_weights(update, abort_all, flush))
+        except EngineError as exc:
+            logger.warning("weights from group rejected: %s", exc)
+            return web.json_response({"success": False, "message": str(exc)}, status=exc.status)
+        if not outcome.flushed:
+            return web.json_response({"success": False, "message": FLUSH_REFUSED}, status=400)
+        message = "Succeeded to update parameter online."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         try:

@@ -252,6 +252,30 @@ class EngineClient:
             payload["load_format"] = load_format
         return _as_dict(await self.request("POST", "/update_weights_from_disk", payload, timeout_s=timeout_s))
 
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, *, group_name: str, backend: str,
+                                        timeout_s: float | None = None) -> dict[str, Any]:
+        """Join a weight-update group (SGLang's route; returns once every rank joined)."""
+        payload = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                   "world_size": world_size, "group_name": group_name, "backend": backend}
+        return _as_dict(await self.request("POST", "/init_weights_update_group", payload, timeout_s=timeout_s))
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], *, group_name: str,
+                                              weight_version: str | int | None = None, flush_cache: bool = True,
+                                              timeout_s: float | None = None) -> dict[str, Any]:
+        """Receive one bucket of tensors from rank 0 of ``group_name``."""
+        payload: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                                   "group_name": group_name, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return _as_dict(await self.request("POST", "/update_weights_from_distributed", payload, timeout_s=timeout_s))
+
+    async def destroy_weights_update_group(self, group_name: str, *,
+                                           timeout_s: float | None = None) -> dict[str, Any]:
+        return _as_dict(await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name},
+                                           timeout_s=timeout_s))
+
     async def update_weight_version(self, new_version: str | int, *, abort_all_requests: bool = False,
                                     timeout_s: float | None = None) -> dict[str, Any]:
         payload = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}

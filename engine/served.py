@@ -59,6 +59,9 @@ class WeightUpdate:
     source: str
     digest: str = ""
     """``lm.hf.state_digest`` of ``state``: what ``/weights_digest`` reports once the tensors are in."""
+    collective: bool = False
+    """Received through a weight-update group (``engine.weight_sync``), not read from ``source``: the reported
+    path stays, and the weights have no files to be read back from after a release."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ class ServedModel(ABC):
         files, then each update's tensors as read (``WeightUpdate.digest``)."""
         self.adapter_digests: dict[str, str] = {}
         self.reload_from: str | None = None
+        self.collective = False
+        """The base weights came through a weight-update group: ``source`` no longer holds them."""
         """While the weights are released: the files ``resume`` reads them back from (None: not released)."""
         self._live = parameters_by_name(base, reference)
         with torch.no_grad():  # every weight in storage of its own, as ``resume`` will put it back
@@ -204,6 +209,8 @@ class ServedModel(ABC):
 
         ``announce`` False loads the tensors but leaves the reported path, name and version as they
         were (SGLang's tokenizer side when the cache flush after a load was refused)."""
+        if self.reload_from is not None and update.collective:
+            raise BadRequest("weights are released: resume memory before updating them from a weight-update group")
         if self.reload_from is not None:
             self.reload_from = update.source  # nothing to copy into: resume reads this version's files
         else:
@@ -212,10 +219,12 @@ class ServedModel(ABC):
                     self._live[name].data.copy_(tensor)
         with self._lock:
             self.digest = update.digest  # the tensors are in, announced or not
+            self.collective = update.collective
         if not announce:
             return
         with self._lock:
-            self.source = self.served_name = update.source
+            if not update.collective:
+                self.source = self.served_name = update.source
             if update.version is not None:
                 self.version = update.version
 
@@ -240,6 +249,9 @@ class ServedModel(ABC):
         the version served (``source``). Adapter weights stay (they are small, and their files may be gone)."""
         if self.reload_from is not None:
             return
+        if self.collective:
+            raise BadRequest("the weights came through a weight-update group (/update_weights_from_distributed) and "
+                             "have no files to be read back from: update them from disk before releasing them")
         self.reload_from = self.source
         with torch.no_grad():
             for tensor in _unique(self._live.values()):

@@ -273,10 +273,32 @@ class CheckWeights(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class WeightsPublished(Event):
+    """A version directory (``uri``, its manifest's ``sha256``). With ``group_address`` (``host:port``) the
+    trainer also offers the version by collective: it is rank 0 of weight-update groups whose rendezvous
+    store listens there (``group_backend``: ``gloo`` or ``nccl``), and sends the tensors in ``buckets`` (names,
+    in order) once the controller asks (``WeightBroadcastRequested``). The directory stays the fallback."""
+
     policy: str
     version: int
     uri: str
     sha256: str
+    group_address: str = ""
+    group_backend: str = ""
+    buckets: list[list[str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightBroadcastRequested(Event):
+    """The controller asks the trainer that offered ``policy`` v``version`` by collective to broadcast it, as rank
+    0 of group ``group_name`` of ``world_size`` ranks (the engines are ranks 1..); ``new_group``: join it first
+    (a group stays open across versions until the engines change). The engines receive it meanwhile."""
+
+    policy: str
+    version: int
+    group_name: str
+    world_size: int
+    new_group: bool
+    since_version: ClassVar[int] = 2
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,6 +46,7 @@ from rollout_bus.launch.config import (
     MODES,
     STALE_POLICIES,
     TINY_EVAL_GROUPS,
+    WEIGHT_SYNCS,
     RunConfig,
     RunFailed,
     parse_eval_every,
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="miles' colocated loop (sync mode): the controller offloads the engines' weights and KV cache "
                         "while the trainer steps, and onloads the weights, then the KV cache, before the next rollout; "
                         "the summary reports the time each took per step")
+    p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default=d.weight_sync,
+                   help="how full weights reach the engines: disk (each version's directory) or broadcast (the trainer "
+                        "sends them through the engines' weight-update group, SGLang's routes; the directory stays the "
+                        "fallback); LoRA adapters always go by disk")
     p.add_argument("--trainers", type=int, default=d.trainers, help="policies trained at once (one trainer each)")
     p.add_argument("--executors", default=str(d.executors), metavar="N|auto[:MIN-MAX]",
                    help="N executors, or auto: between MIN and MAX (default 1-4), added while jobs wait in the queue "
@@ -192,6 +197,9 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     else:
         values["executors"] = executors
     config = RunConfig(**values)
+    if config.weight_sync == "broadcast" and config.colocate:
+        raise SystemExit("--weight-sync broadcast does not go with --colocate: released weights are read back from "
+                         "their files, which weights received by collective do not update")
     problems = colocate_problems(config) + [f"--{name} must be >= 1" for name in ("trainers", "engines", "steps")
                 if getattr(config, name) < 1]
     if config.lora is not None:

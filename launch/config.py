@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from rollout_bus.launch.autoscale import ScalePolicy
-from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES
+from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES, WEIGHT_SYNCS
 
 __all__ = ["AGENTS", "DEFAULT_LORA", "due_steps", "parse_eval_every", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK",
-           "MODES", "STALE_POLICIES", "RunConfig",
+           "MODES", "STALE_POLICIES", "WEIGHT_SYNCS", "RunConfig",
            "RunFailed", "RunResult", "metrics_ports"]
 
 
@@ -19,6 +19,9 @@ class RunConfig:
     mode: str = "async"
     colocate: bool = False
     """Engines give their memory back while the trainer steps (sync mode; ``trainer.colocate``)."""
+    weight_sync: str = "disk"
+    """How full weights reach the engines: ``disk`` (each version's directory) or ``broadcast`` (the trainer is
+    rank 0 of the engines' weight-update group; the directory stays the fallback). LoRA adapters go by disk."""
     trainers: int = 1
     executors: int = 1
     autoscale: ScalePolicy | None = None

@@ -121,7 +121,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             *(["--eval-engines", str(config.eval_engines)] if config.eval_engines else []),
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
             *_janitor_args(config), *_health_args(config), *(["--colocate"] if config.colocate else []),
-            *config.controller_args, *_metrics_args(ports, "controller")],
+            "--weight-sync", config.weight_sync, *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
         evals_on = config.eval_problems() > 0
         tracker = None
@@ -187,8 +187,9 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                 outputs[p].update({f"eval-{k}": v for k, v in tracker.logs[p].outputs.items()})
         faults = run_faults(client, keys, procs.restarts(), summaries)
         text = (format_summary(summaries, mode=config.mode, wall_s=wall_s, faults=faults) + "\n"
-                + format_outputs(outputs))
+                + f"weight sync: {config.weight_sync}\n" + format_outputs(outputs))
         result = {"config": asdict(config), "namespace": namespace, "wall_s": wall_s,
+                  "weight_sync": config.weight_sync,
                   "policies": {s.policy: s.to_dict() for s in summaries}, "faults": faults.to_dict(),
                   "metric_logs": {p: {k: str(v) for k, v in o.items()} for p, o in outputs.items()}}
         if fleet is not None:
@@ -447,7 +448,7 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--minibatches", str(config.minibatches), "--log-to", config.log_to,
             *(["--over-sample-groups", str(config.over_sample_groups())] if config.filters_groups() else []),
             "--log-dir", str(log_dir), "--run-name", namespace, *extra, *(["--colocate"] if config.colocate else []),
-            *config.trainer_args]
+            "--weight-sync", config.weight_sync, *config.trainer_args]
 
 
 def _metrics_args(ports: dict[str, int], name: str) -> list[str]:

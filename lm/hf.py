@@ -111,6 +111,11 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 def state_digest(state: dict[str, Tensor]) -> str:
     """``lm.files.tensors_digest`` of tensors in memory (as ``read_state`` returns them): the same tensors
     written to safetensors files, in any sharding, give the same digest."""
+    return combine_digest(state_lines(state))
+
+
+def state_lines(state: dict[str, Tensor]) -> dict[str, bytes]:
+    """Each tensor's line of the digest (``lm.files.tensor_line``): a digest can be built bucket by bucket."""
     lines: dict[str, bytes] = {}
     for name, tensor in state.items():
         dtype = SAFETENSORS_DTYPES.get(tensor.dtype)
@@ -119,7 +124,7 @@ def state_digest(state: dict[str, Tensor]) -> str:
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         data = flat.view(torch.uint8).numpy() if flat.numel() else b""
         lines[name] = tensor_line(name, dtype, tuple(tensor.shape), data)
-    return combine_digest(lines)
+    return lines
 
 
 def save_pretrained(directory: Path, model: Any, tokenizer: Any = None, *,

@@ -32,6 +32,7 @@ from rollout_bus.trainer.config import (  # light: dataclasses only
     LOG_BACKENDS,
     MODES,
     STALE_POLICIES,
+    WEIGHT_SYNCS,
     LogConfig,
     LossSettings,
     OptimConfig,
@@ -78,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-wait-serving", dest="wait_serving", action="store_false")
     t.add_argument("--serving-timeout-s", type=float, default=60.0)
     t.add_argument("--keep-versions", type=int, default=4)
+    t.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default="disk",
+                   help="broadcast: also send full weights by collective (rank 0 of the engines' weight-update group; "
+                        "the version directory stays the fallback); disk: engines load them from the directory")
+    t.add_argument("--group-host", default="127.0.0.1", help="broadcast: where engines reach this trainer's store")
+    t.add_argument("--group-port", type=int, default=0, help="broadcast: the store's port (0: a free one)")
+    t.add_argument("--bucket-mb", type=float, default=64.0, help="broadcast: tensors per bucket, by size")
+    t.add_argument("--group-timeout-s", type=float, default=60.0,
+                   help="broadcast: how long a group may take to form, or a rank in a broadcast")
     t.add_argument("--n-groups", type=int, default=16)
     t.add_argument("--n-samples", type=int, default=8, help="samples per prompt group")
     t.add_argument("--over-sample-groups", type=int, default=None, metavar="N",
@@ -159,7 +168,9 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
         schedule=ScheduleConfig(mode=ns.mode, in_flight=ns.in_flight, max_staleness=ns.max_staleness,
                                 stale_policy=ns.stale_policy, colocate=ns.colocate),
         publish=PublishConfig(weights_root=ns.weights_root, wait_serving=ns.wait_serving,
-                              serving_timeout_s=ns.serving_timeout_s, keep_versions=ns.keep_versions),
+                              serving_timeout_s=ns.serving_timeout_s, keep_versions=ns.keep_versions,
+                              weight_sync=ns.weight_sync, group_host=ns.group_host, group_port=ns.group_port,
+                              bucket_mb=ns.bucket_mb, group_timeout_s=ns.group_timeout_s),
         optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),
         loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None,
                           entropy_coef=ns.entropy_coef),

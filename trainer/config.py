@@ -71,6 +71,10 @@ class ScheduleConfig:
     get them back (weights, then KV cache) before the next rollout (``trainer.colocate``)."""
 
 
+WEIGHT_SYNCS = ("disk", "broadcast")
+"""Where full weights travel from the trainer to the engines (``PublishConfig.weight_sync``)."""
+
+
 @dataclass
 class PublishConfig:
     """Where new weights go and whether a step waits until the engines serve them."""
@@ -81,6 +85,18 @@ class PublishConfig:
     serving_timeout_s: float = 60.0
     keep_versions: int = 4
     """Published weight directories kept on disk (older ones are deleted); 0 keeps all."""
+    weight_sync: str = "disk"
+    """``disk``: engines load each version from its directory. ``broadcast``: the trainer also offers full
+    weights by collective (``trainer.broadcast``: rank 0 of the engines' weight-update group); the directory is
+    still written, as the fallback. LoRA adapters always travel by disk."""
+    group_host: str = "127.0.0.1"
+    """broadcast: the address the engines reach the trainer's rendezvous store at (it listens there)."""
+    group_port: int = 0
+    """broadcast: the store's port; 0 picks a free one."""
+    bucket_mb: float = 64.0
+    """broadcast: tensors per ``/update_weights_from_distributed`` call, by size."""
+    group_timeout_s: float = 60.0
+    """broadcast: how long the sender waits for a group to form, or for a rank in a broadcast."""
 
 
 @dataclass
@@ -233,6 +249,14 @@ class TrainerConfig:
             problems.append(f"steps must be >= 0, got {self.steps}")
         if not self.publish.weights_root:
             problems.append("publish.weights_root is required (the controller refuses weights outside its root)")
+        p = self.publish
+        if p.weight_sync not in WEIGHT_SYNCS:
+            problems.append(f"publish.weight_sync must be one of {list(WEIGHT_SYNCS)}, got {p.weight_sync!r}")
+        if p.weight_sync == "broadcast" and self.schedule.colocate:
+            problems.append("publish.weight_sync broadcast does not go with schedule.colocate: released weights are "
+                            "read back from their files, which weights received by collective do not update")
+        if p.bucket_mb <= 0 or p.group_timeout_s <= 0 or not 0 <= p.group_port < 65536:
+            problems.append("publish: bucket_mb and group_timeout_s must be > 0, group_port a port (0: any free one)")
         if self.optim.lr <= 0 or self.optim.epochs < 1 or self.optim.minibatches < 1:
             problems.append("optim: lr must be > 0, epochs and minibatches >= 1")
         if self.loss.tis_cap < 0:

@@ -50,6 +50,7 @@ from rollout_bus.events.train_data import TrainData
 from rollout_bus.lm.hf import is_hf_dir
 from rollout_bus.lm.model import ModelConfig, TinyLM, load_config, load_model
 from rollout_bus.trainer import metrics as m
+from rollout_bus.trainer.broadcast import WeightSender
 from rollout_bus.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
 from rollout_bus.trainer.client import ClientConfig, ReceivedBatch, RolloutClient
 from rollout_bus.trainer.colocate import Colocation
@@ -99,6 +100,7 @@ class Trainer:
         self.state: TrainerState | None = None
         self.client: RolloutClient | None = None
         self.weights: WeightPublisher | None = None
+        self.sender: WeightSender | None = None
         self.step_log: StepLogger | None = None
         """Each step's metrics to the backends of ``config.log`` (after the step's version is published)."""
         self.store = CheckpointStore(config.checkpoint_dir) if config.checkpoint_dir else None
@@ -125,9 +127,10 @@ class Trainer:
             policy=cfg.policy, trainer_id=cfg.trainer_id, group=cfg.group, consumer_index=cfg.dp_rank,
             dp_size=cfg.dp_size, lease_ttl_s=cfg.lease_ttl_s, rollout=cfg.rollout,
             vocab_size=_vocab_size(self.model)), self.producer)
+        self.sender = self._sender()
         self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
                                        self.producer, keep_versions=cfg.publish.keep_versions,
-                                       lease=self.client.lease)
+                                       lease=self.client.lease, sender=self.sender)
         self.step_log = StepLogger(cfg)
         self.client.start()
         state = self._st()
@@ -187,7 +190,20 @@ class Trainer:
         self.learner = learner
         self.model = learner.model
 
+    def _sender(self) -> WeightSender | None:
+        """With ``publish.weight_sync`` broadcast: rank 0 of the engines' weight-update groups (full weights only)."""
+        p = self.config.publish
+        if p.weight_sync != "broadcast" or (self.learner is not None and getattr(self.learner, "is_lora", False)):
+            return None
+        sender = WeightSender(self.redis, self.keys, self.config.policy, host=p.group_host, port=p.group_port,
+                              bucket_bytes=int(p.bucket_mb * (1 << 20)), timeout_s=p.group_timeout_s)
+        sender.start()
+        log.info("offering weights by collective: rendezvous store at %s", sender.address)
+        return sender
+
     def stop(self) -> None:
+        if self.sender is not None:
+            self.sender.stop()
         if self.client is not None:
             self.client.stop()
         if self.step_log is not None:

@@ -53,6 +53,7 @@ from rollout_bus.events.schema import (
 from rollout_bus.lm.files import read_manifest, rename_noreplace, version_dir, write_weights_dir
 from rollout_bus.lm.hf import save_pretrained
 from rollout_bus.lm.model import TinyLM, save_weights
+from rollout_bus.trainer.broadcast import WeightSender
 from rollout_bus.trainer.lease import PolicyLease
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,11 @@ class WeightPublisher:
     """Saves and announces the weight versions of one policy."""
 
     def __init__(self, client: Redis, keys: Keys, policy: str, weights_root: str | Path, producer: Producer,
-                 *, keep_versions: int = 4, lease: PolicyLease | None = None) -> None:
+                 *, keep_versions: int = 4, lease: PolicyLease | None = None,
+                 sender: WeightSender | None = None) -> None:
         self.client = client
+        self.sender = sender
+        """With ``--weight-sync broadcast``: every saved version of full weights is also offered by collective."""
         self.lease = lease
         """The trainer's policy lease: every version directory and ``WeightsPublished`` is bound to it."""
         self.keys = keys
@@ -106,8 +110,13 @@ class WeightPublisher:
         """Write version ``version`` of ``model`` (a ``TinyLM``, a Hugging Face model, or a ``PeftModel``
         whose adapter is written); return its directory and the sha256 of its manifest."""
         if isinstance(model, TinyLM):
-            return self.save_dir(version, lambda tmp: save_weights(model, tmp))
-        return self.save_dir(version, lambda tmp: save_pretrained(tmp, model, tokenizer, max_shard_size=max_shard_size))
+            saved = self.save_dir(version, lambda tmp: save_weights(model, tmp))
+        else:
+            saved = self.save_dir(version, lambda tmp: save_pretrained(tmp, model, tokenizer,
+                                                                       max_shard_size=max_shard_size))
+        if self.sender is not None:
+            self.sender.offer(version, model, saved[0])
+        return saved
 
     def save_dir(self, version: int, fill: Callable[[Path], object]) -> tuple[Path, str]:
         """Write version ``version`` with ``fill(tmp)`` (any layout of ``lm.files``), atomically, with its
@@ -163,10 +172,16 @@ class WeightPublisher:
             digest = read_manifest(directory)[1]
         save_ms = (time.perf_counter() - started) * 1000
         uri = str(directory.resolve())
+        offer: dict[str, Any] = {}
+        if self.sender is not None and self.sender.offered(version):
+            offer = {"group_address": self.sender.address, "group_backend": self.sender.backend,
+                     "buckets": self.sender.plan(version)}
         event = WeightsPublished(producer=self.publisher.producer, policy=self.policy, version=version,
-                                 uri=uri, sha256=digest)
+                                 uri=uri, sha256=digest, **offer)
         entry_id = self.publisher.publish(self.keys.weight_stream(self.policy), event, idempotency_key=self._publish_key(version),
                                           durable=True, lease=self.lease.fence if self.lease is not None else None)
+        if self.sender is not None:
+            self.sender.published(version, entry_id)
         log.debug("published %s v%d (%s)", self.policy, version, entry_id)
         self._published.append(version)
         self._prune()

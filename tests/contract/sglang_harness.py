@@ -244,6 +244,20 @@ class Recorder:
             message += f" Weight version updated to {obj.weight_version}."
         return True, message, held
 
+    async def init_weights_update_group(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        self.calls.append(Call("init_weights_update_group", obj))
+        return True, "Succeeded to initialize custom process group."
+
+    async def update_weights_from_distributed(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        self.calls.append(Call("update_weights_from_distributed", obj))
+        if obj.weight_version is not None:
+            self.weight_version = obj.weight_version
+        return True, "Succeeded to update parameter online."
+
+    async def destroy_weights_update_group(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        self.calls.append(Call("destroy_weights_update_group", obj))
+        return True, "Succeeded to destroy custom process group."
+
     async def update_weight_version(self, obj: Any) -> None:
         self.calls.append(Call("update_weight_version", obj))
         self.weight_version = obj.new_version

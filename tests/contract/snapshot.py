@@ -31,6 +31,14 @@ REQUEST_FIELDS: dict[str, list[str]] = {
     "UnloadLoRAAdapterReqInput": ["lora_name"],
     "AbortReq": ["rid", "abort_all", "abort_message"],
     "LoRAUpdateOutput": ["success", "error_message", "loaded_adapters"],
+    "InitWeightsUpdateGroupReqInput": ["master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                       "backend"],
+    "UpdateWeightsFromDistributedReqInput": ["names", "dtypes", "shapes", "group_name", "flush_cache",
+                                             "abort_all_requests", "weight_version", "load_format"],
+    "DestroyWeightsUpdateGroupReqInput": ["group_name"],
+    "InitWeightsUpdateGroupReqOutput": ["success", "message"],
+    "UpdateWeightsFromDistributedReqOutput": ["success", "message"],
+    "DestroyWeightsUpdateGroupReqOutput": ["success", "message"],
 }
 # sampling_params keys the executors send (the /generate contract gate refuses unknown ones).
 SAMPLING_KEYS = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
@@ -46,7 +54,9 @@ ROUTES = {"/generate": "POST", "/health": "GET", "/health_generate": "GET", "/mo
           "/server_info": "GET", "/v1/loads": "GET", "/v1/models": "GET", "/flush_cache": "POST",
           "/update_weights_from_disk": "POST", "/update_weight_version": "POST", "/pause_generation": "POST",
           "/continue_generation": "POST", "/abort_request": "POST", "/release_memory_occupation": "POST",
-          "/resume_memory_occupation": "POST", "/load_lora_adapter": "POST", "/unload_lora_adapter": "POST"}
+          "/resume_memory_occupation": "POST", "/load_lora_adapter": "POST", "/unload_lora_adapter": "POST",
+          "/init_weights_update_group": "POST", "/update_weights_from_distributed": "POST",
+          "/destroy_weights_update_group": "POST"}
 
 
 def _field(cls: Any, name: str) -> dict[str, str]:

@@ -56,6 +56,14 @@ CONTROL_CASES: list[tuple[str, str, Any]] = [
     ("abort an unknown rid", "/abort_request", {"rid": "nobody", "abort_all": False}),
     ("adapter without LoRA", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"}),
     ("adapter without a path", "/load_lora_adapter", {"lora_name": "a"}),
+    ("group without master_address", "/init_weights_update_group", {"master_port": 29500, "rank_offset": 1,
+                                                                     "world_size": 2}),
+    ("group with a port that is no number", "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1, "world_size": 2}),
+    ("group without a body", "/init_weights_update_group", None),
+    ("bucket without names", "/update_weights_from_distributed", {"dtypes": ["float32"], "shapes": [[1]]}),
+    ("bucket with shapes not lists", "/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"],
+                                                                          "shapes": "x"}),
 ]
 # Deliberately stricter than SGLang (a 400 where SGLang answers 200): a release of a tag SGLang does not
 # know ("gpu"), which SGLang records and ignores.
@@ -118,6 +126,17 @@ def test_pausing_release_resume_and_ready_answer_alike(sglang: Any, engine: Engi
     assert (sglang.get("/ready").status_code, call(engine.url + "/ready")[0]) == (503, 503)
     assert both(sglang, engine, "POST", "/continue_generation", {})[0][0] == 200
     assert (sglang.get("/ready").status_code, call(engine.url + "/ready")[0]) == (200, 200)
+
+
+def test_weight_group_replies_carry_success_and_message(sglang: Any, engine: EngineProcess) -> None:
+    """SGLang answers the three weight-group routes with ``{"success", "message"}``; so does the CPU engine
+    (here refusing: it has no group of that name, where the stand-in behind SGLang's app has no groups)."""
+    for path, body in (("/destroy_weights_update_group", {"group_name": "none"}),
+                       ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
+                                                             "group_name": "none"})):
+        (_, their_reply), (ours, our_reply) = both(sglang, engine, "POST", path, body)
+        assert set(our_reply) == set(their_reply) == {"success", "message"}, (path, our_reply, their_reply)
+        assert ours == 400 and our_reply["success"] is False
 
 
 def test_info_replies_carry_the_keys_sglang_has(sglang: Any, engine: EngineProcess) -> None:

@@ -5,6 +5,7 @@ findings of the contract review holds against SGLang itself."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -158,6 +159,56 @@ def test_a_full_weight_update_lands_with_the_version_and_no_lora_name_in_every_p
     assert (body["model_path"], body["weight_version"], body["abort_all_requests"]) == (target.engine_path, str(version), False)
     assert body["flush_cache"] is (mode != "in_place") and "lora_name" not in body
     assert harness.tm.weight_version == str(version) and h.record.versions["default"] == version
+
+
+def test_a_broadcast_update_drives_sglangs_three_routes_with_their_fields(
+        harness: Harness, url: str, tmp_path: Path) -> None:
+    """``--weight-sync broadcast``: the controller's group and bucket requests land in SGLang's own request
+    types (``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``), a bucket per call,
+    the version as ``weight_version``, the cache flushed with the last bucket; a second version reuses the group,
+    and an engine set that changes destroys it (``DestroyWeightsUpdateGroupReqInput``)."""
+    from rollout_bus.lm.buckets import bucket_plan
+    from rollout_bus.lm.files import tensor_shapes
+    from tests.engine_proc import make_weights_dir
+
+    ctl, h = controller(url, tmp_path, weight_sync="broadcast")
+    directory = make_weights_dir(tmp_path / "default" / "v000031", seed=31)
+    shapes = tensor_shapes(directory)
+    plan = tuple(tuple(b) for b in bucket_plan(shapes, 32 * 1024))
+    assert ctl.updater.broadcast is not None and len(plan) > 2
+
+    def target(version: int) -> Target:
+        return Target("default", version, str(directory), "0" * 64, str(directory), group_address="127.0.0.1:29555",
+                      group_backend="gloo", buckets=plan)
+
+    async def scenario() -> list[Any]:
+        first = await ctl.updater.broadcast_all(target(31), [h])
+        second = await ctl.updater.broadcast_all(target(32), [h])
+        ctl.updater.broadcast.groups["default"] = dataclasses.replace(ctl.updater.broadcast.groups["default"],
+                                                                       members=("gone", h.engine_id))
+        third = await ctl.updater.broadcast_all(target(33), [h])
+        return [*first, *second, *third]
+
+    try:
+        outcomes = run(scenario())
+    finally:
+        ctl.core.bus.close()
+    assert [o.status for o in outcomes] == ["applied"] * 3, outcomes
+    (opened, reopened) = [plain(c.obj) for c in harness.tm.calls_of("init_weights_update_group")]
+    assert (opened["master_address"], opened["master_port"], opened["rank_offset"], opened["world_size"],
+            opened["backend"]) == ("127.0.0.1", 29555, 1, 2, "gloo")
+    assert reopened["group_name"] != opened["group_name"]
+    (destroyed,) = [plain(c.obj) for c in harness.tm.calls_of("destroy_weights_update_group")]
+    assert destroyed["group_name"] == opened["group_name"]
+    buckets = [plain(c.obj) for c in harness.tm.calls_of("update_weights_from_distributed")]
+    assert len(buckets) == 3 * len(plan)
+    first = buckets[:len(plan)]
+    assert [tuple(b["names"]) for b in first] == list(plan)
+    assert all(b["dtypes"] == ["float32"] * len(b["names"]) for b in first)
+    assert all(b["shapes"] == [list(shapes[n][1]) for n in b["names"]] for b in first)
+    assert {b["weight_version"] for b in first} == {"31"} and {b["group_name"] for b in first} == {opened["group_name"]}
+    assert [b["flush_cache"] for b in first] == [False] * (len(plan) - 1) + [True]
+    assert harness.tm.weight_version == "33" and h.record.versions["default"] == 33
 
 
 def test_an_unflushed_update_under_an_in_place_pause_is_counted_as_applied_and_its_version_set(
