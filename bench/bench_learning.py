@@ -11,12 +11,19 @@ Time is measured from the end of the eval before training (training starts right
 every mode); an eval that followed step ``s`` is placed at the time the trainer finished step ``s``
 (its metric log), that is when the weights it scores existed, not when the eval itself finished.
 
+``--placement disaggregated`` puts the engines' side (controller, executors, redis) and the trainer on
+disjoint CPU sets and ``--off-policy`` picks the trainer's correction (``rollout-bus run``'s flags,
+``launch.placement``, ``trainer.grpo``); both go to every run and into each curve of ``--json``, with
+the CPUs each side's processes got (read back by the run from the live processes). The bench's own
+redis-server goes with the engines.
+
 Printed per mode, medians over seeds with the range: the time to train every step, the final
 held-out accuracy, and the time each mode first reached the final accuracy of sync *with the same
 seed* (seeds share their eval problems and the initial weights, so the comparison is paired).
 ``--png`` draws accuracy against time, one line per mode and seed, with the intervals.
 
     python bench/bench_learning.py [--model smollm2] [--seeds 0,1,2] [--steps 12] [--eval-every 3] [--png FILE]
+        [--placement shared|disaggregated] [--off-policy tis|mis|decoupled]
 
 The tiny LM (default) shows the comparison in a few minutes; ``--model smollm2`` runs the real
 model with the main job's HF defaults (each run several minutes on 2 cores).
@@ -39,8 +46,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_bus.events.embedded import private_redis  # noqa: E402
-from rollout_bus.launch.config import MODEL_DEFAULTS, RunConfig  # noqa: E402
+from rollout_bus.launch.config import MODEL_DEFAULTS, OFF_POLICIES, PLACEMENTS, RunConfig  # noqa: E402
 from rollout_bus.launch.job import run_job  # noqa: E402
+from rollout_bus.launch.placement import PlacementError, pin_process, plan  # noqa: E402
 
 MODES = ("sync", "one-step", "async")
 
@@ -65,6 +73,10 @@ class Curve:
     points: list[Point] = field(default_factory=list)
     samples: int = 0
     """Samples the trainer trained on."""
+    placement: str = "shared"
+    off_policy: str = "tis"
+    cpus: dict[str, list[int]] = field(default_factory=dict)
+    """The CPUs each side's processes got (``summary.json``'s ``placement.observed``)."""
 
     @property
     def final(self) -> float:
@@ -101,14 +113,25 @@ def read_curve(out: Path, mode: str, seed: int, wall_s: float) -> Curve:
 
 def save_curves(curves: list[Curve], path: Path) -> None:
     path.write_text(json.dumps([{"mode": c.mode, "seed": c.seed, "wall_s": c.wall_s, "train_s": c.train_s,
-                                 "samples": c.samples, "points": [vars(p) for p in c.points]}
+                                 "samples": c.samples, "placement": c.placement, "off_policy": c.off_policy,
+                                 "cpus": c.cpus, "points": [vars(p) for p in c.points]}
                                 for c in curves], indent=1))
 
 
 def load_curves(path: Path) -> list[Curve]:
-    """Curves written by ``--json``."""
+    """Curves written by ``--json`` (a file from before ``--placement`` and ``--off-policy``: shared, tis)."""
     return [Curve(str(d["mode"]), int(d["seed"]), float(d["wall_s"]), float(d["train_s"]),
-                  [Point(**p) for p in d["points"]], int(d["samples"])) for d in json.loads(path.read_text())]
+                  [Point(**p) for p in d["points"]], int(d["samples"]), str(d.get("placement", "shared")),
+                  str(d.get("off_policy", "tis")), dict(d.get("cpus") or {})) for d in json.loads(path.read_text())]
+
+
+def settings_of(curves: list[Curve]) -> tuple[str, str]:
+    """The one placement and correction of ``curves``; ``SystemExit`` when they mix (no fair comparison)."""
+    kinds = sorted({(c.placement, c.off_policy) for c in curves})
+    if len(kinds) > 1:
+        raise SystemExit("the curves mix placements or corrections (placement, off-policy): "
+                         + ", ".join(map(str, kinds)) + "; compare runs of one kind at a time")
+    return kinds[0] if kinds else ("shared", "tis")
 
 
 def med_range(values: list[float], fmt: str = "{:.3f}") -> str:
@@ -154,6 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--eval-groups", type=int, default=None, help="held-out problems per eval (default: the job's)")
     p.add_argument("--n-groups", type=int, default=None)
     p.add_argument("--n-samples", type=int, default=None)
+    p.add_argument("--placement", choices=PLACEMENTS, default="shared",
+                   help="rollout-bus run's --placement for every run (disaggregated: engines and trainer on "
+                        "disjoint CPUs)")
+    p.add_argument("--engine-cpus", default=None, metavar="LIST", help="disaggregated: the engines' side's CPUs")
+    p.add_argument("--trainer-cpus", default=None, metavar="LIST", help="disaggregated: the trainer's CPUs")
+    p.add_argument("--off-policy", choices=OFF_POLICIES, default="tis", help="the trainer's off-policy correction")
     p.add_argument("--png", type=Path, default=None, help="draw accuracy against time here")
     p.add_argument("--json", type=Path, default=None,
                    help="write every curve here, the --with ones too (rewritten after each run, so a stopped "
@@ -174,10 +203,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             settings[name] = getattr(ns, name)
     steps = int(settings.setdefault("steps", RunConfig().steps))
     eval_every = ns.eval_every or max(1, steps // 4)
+    try:
+        placement = plan(ns.placement, engine_cpus=ns.engine_cpus, trainer_cpus=ns.trainer_cpus, gpus=())
+    except PlacementError as exc:
+        raise SystemExit(str(exc)) from None
     load_before = os.getloadavg()
     print(f"modes {', '.join(modes)}; seeds {seeds}; {steps} steps, eval every {eval_every}; model "
-          f"{ns.model or 'tiny LM'}; {os.cpu_count()} CPUs, load average {load_before[0]:.2f} "
-          f"{load_before[1]:.2f} {load_before[2]:.2f} before", flush=True)
+          f"{ns.model or 'tiny LM'}; placement {ns.placement}, off-policy {ns.off_policy}; {os.cpu_count()} CPUs, "
+          f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} before", flush=True)
     curves: list[Curve] = []
     for earlier in ns.with_json:
         for c in load_curves(earlier):
@@ -187,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise SystemExit(f"--with {earlier}: {c.mode} seed {c.seed} is in an earlier --with file too")
             curves.append(c)
     server = private_redis() if seeds else None
+    if server is not None and placement.disaggregated and getattr(server, "proc", None) is not None:
+        pin_process(server.proc.pid, placement.engine_cpus)  # type: ignore[union-attr]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
             for i, seed in enumerate(seeds):
@@ -196,14 +231,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     config = RunConfig(mode=mode, seed=seed, model=ns.model, eval_every=eval_every,
                                        out=str(out), redis_url=server.url,
                                        namespace=f"learn-{mode}-{seed}-{int(time.time())}",
-                                       progress=False, plot=False, **settings)
+                                       progress=False, plot=False, placement=ns.placement,
+                                       engine_cpus=ns.engine_cpus, trainer_cpus=ns.trainer_cpus,
+                                       off_policy=ns.off_policy, **settings)
                     result = run_job(config)
                     curve = read_curve(out, mode, seed, result.wall_s)
+                    curve.placement, curve.off_policy = ns.placement, ns.off_policy
+                    placed = json.loads((out / "summary.json").read_text()).get("placement") or {}
+                    curve.cpus = placed.get("observed") or {}
                     curves.append(curve)
                     pts = " ".join(f"{p.step}:{p.accuracy:.2f}@{p.t_s:.0f}s" for p in curve.points)
                     print(f"  seed {seed} {mode:>8}: train {curve.train_s:.1f} s, run {curve.wall_s:.1f} s, "
                           f"{curve.samples} samples; accuracy step:acc@time {pts}; load average "
-                          f"{os.getloadavg()[0]:.2f}", flush=True)
+                          f"{os.getloadavg()[0]:.2f}; CPUs {curve.cpus}", flush=True)
                     if ns.json is not None:
                         save_curves(curves, ns.json)
     finally:
@@ -211,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             server.stop()
     if ns.json is not None:
         save_curves(curves, ns.json)  # every curve, the --with ones too
+    kind = settings_of(curves)
     sync_final = {c.seed: c.final for c in curves if c.mode == "sync"}
     unpaired = sorted({c.seed for c in curves} - set(sync_final))
     if unpaired:  # e.g. a stopped bench's file: no sync run to time the other modes against
@@ -221,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"medians over {len(all_seeds)} seeds (min-max); time from the end of the eval before training")
     print(f"{'mode':>8}  {'train s':>22}  {'final accuracy':>22}  {'s to sync final acc':>22}  {'reached':>7}  "
           f"{'x sync time':>18}")
-    summary: dict[str, Any] = {"load_before": load_before[0]}
+    summary: dict[str, Any] = {"load_before": load_before[0], "placement": kind[0], "off_policy": kind[1]}
     sync_times = {c.seed: c.time_to(sync_final[c.seed]) for c in curves if c.mode == "sync"}
     for mode in modes:
         mine = [c for c in curves if c.mode == mode]
@@ -238,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if ns.png is not None:
         seed_list = ",".join(map(str, all_seeds))
         when = f"load {load_before[0]:.2f} before" if seeds else "curves of earlier runs"
-        draw(curves, ns.png, f"{ns.model or 'tiny LM'}: {steps} steps x equal samples, seeds {seed_list}; {when}")
+        draw(curves, ns.png, f"{ns.model or 'tiny LM'}: {steps} steps x equal samples, seeds {seed_list}; "
+                             f"{kind[0]}, {kind[1]}; {when}")
         print(f"plot: {ns.png}")
     return summary
 

@@ -30,8 +30,8 @@ from rollout_bus.engine.protocol import (
 from rollout_bus.engine.runtime import Engine
 from rollout_bus.engine.scheduler import FLUSH_REFUSED, FLUSHED
 from rollout_bus.engine.served import WeightUpdate
-from rollout_bus.events.names import adapter_name_problem
 from rollout_bus.engine.weight_sync import WeightGroups
+from rollout_bus.events.names import adapter_name_problem
 from rollout_bus.lm.files import DIGEST_ALGORITHM
 from rollout_bus.lm.hf import state_digest
 

@@ -44,6 +44,9 @@ from rollout_bus.launch.config import (
     MODEL_FULL_LR,
     MODEL_TASK,
     MODES,
+    OFF_POLICIES,
+    OFF_POLICY_HELP,
+    PLACEMENTS,
     STALE_POLICIES,
     TINY_EVAL_GROUPS,
     WEIGHT_SYNCS,
@@ -103,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--std-normalise", action=argparse.BooleanOptionalAction, default=d.std_normalise,
                    help="divide each group's advantages by its reward std (default off: keeps the reward's scale)")
     g.add_argument("--minibatches", type=int, default=d.minibatches)
+    g.add_argument("--off-policy", choices=OFF_POLICIES, default=d.off_policy,
+                   help="the trainers' off-policy correction (C: --trainer-arg=--tis-cap=C, default 2): "
+                        + "; ".join(f"{k}: {v}" for k, v in OFF_POLICY_HELP.items()))
     g.add_argument("--digits", type=int, default=d.digits, help="arithmetic task: digits per operand")
     g.add_argument("--token-delay-ms", type=float, default=d.token_delay_ms, help="engine sleep per decode step")
     g.add_argument("--engine-max-batch", type=int, default=None,
@@ -144,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-engines", type=int, default=d.eval_engines, metavar="K",
                    help="K engines of their own for the evals, kept on the newest weights by the controller and never "
                         "used by training rollouts (default 0: evals share the training engines)")
+    pl = p.add_argument_group("placement (where the processes run)")
+    pl.add_argument("--placement", choices=PLACEMENTS, default=d.placement,
+                    help="shared: every process on every CPU (default); disaggregated: the engines (with the "
+                         "controller, executors and redis) and the trainers on disjoint CPU sets (and GPUs, where "
+                         "there are any), torch threads to match; summary.json records what each process got")
+    pl.add_argument("--engine-cpus", default=None, metavar="LIST",
+                    help="disaggregated: the engines' side's CPUs, e.g. 0-3,6 (default: half of the CPUs this "
+                         "command may use, rounded up; with --trainer-cpus only, the rest)")
+    pl.add_argument("--trainer-cpus", default=None, metavar="LIST",
+                    help="disaggregated: the trainers' CPUs (default: those the engines' side does not get)")
     a = p.add_argument_group("agents (multi-turn episodes through the session gateway)")
     a.add_argument("--agent", default=None, choices=sorted(AGENTS),
                    help="play this multi-turn environment instead of the single-turn task (tiny LM or --model)")
@@ -231,9 +247,21 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     if config.metrics_base_port < 0 or (config.metrics_base_port and config.metrics_base_port + n_ports > 65536):
         problems.append(f"--metrics-base-port must be 0 (off) or leave room for {n_ports} ports below 65536")
     problems += log_problems(LogConfig(to=parse_log_to(config.log_to)))
+    problems += placement_problems(config)
     if problems:
         raise SystemExit("; ".join(problems))
     return config
+
+
+def placement_problems(config: RunConfig) -> list[str]:
+    """Why ``--placement`` cannot be made here (one CPU, overlapping or unknown CPU lists)."""
+    from rollout_bus.launch.placement import PlacementError, plan
+
+    try:
+        plan(config.placement, engine_cpus=config.engine_cpus, trainer_cpus=config.trainer_cpus, gpus=())
+    except PlacementError as exc:
+        return [str(exc)]
+    return []
 
 
 def colocate_problems(config: RunConfig) -> list[str]:

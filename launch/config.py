@@ -7,10 +7,18 @@ from pathlib import Path
 from typing import Any
 
 from rollout_bus.launch.autoscale import ScalePolicy
-from rollout_bus.trainer.config import LOG_BACKENDS, MODES, STALE_POLICIES, WEIGHT_SYNCS
+from rollout_bus.launch.placement import PLACEMENTS
+from rollout_bus.trainer.config import (
+    LOG_BACKENDS,
+    MODES,
+    OFF_POLICIES,
+    OFF_POLICY_HELP,
+    STALE_POLICIES,
+    WEIGHT_SYNCS,
+)
 
 __all__ = ["AGENTS", "DEFAULT_LORA", "due_steps", "parse_eval_every", "LOG_BACKENDS", "MODEL_DEFAULTS", "MODEL_TASK",
-           "MODES", "STALE_POLICIES", "WEIGHT_SYNCS", "RunConfig",
+           "MODES", "OFF_POLICIES", "OFF_POLICY_HELP", "PLACEMENTS", "STALE_POLICIES", "WEIGHT_SYNCS", "RunConfig",
            "RunFailed", "RunResult", "metrics_ports"]
 
 
@@ -49,6 +57,8 @@ class RunConfig:
     """``--std-normalise`` of the trainers (see ``trainer.config.RolloutConfig.std_normalise``)."""
     epochs: int = 1
     minibatches: int = 1
+    off_policy: str = "tis"
+    """The trainers' off-policy correction (``--off-policy`` of ``rollout-bus trainer``: ``trainer.grpo``)."""
     digits: int = 1
     token_delay_ms: float = 0.0
     engine_max_batch: int = 128
@@ -98,6 +108,14 @@ class RunConfig:
     controller_args: list[str] = field(default_factory=list)
     """Extra ``rollout-bus controller`` arguments (janitor settings, ...)."""
     executor_args: list[str] = field(default_factory=list)
+    # --- placement ----------------------------------------------------------------------------
+    placement: str = "shared"
+    """``disaggregated``: the engines' side and the trainers on disjoint CPU sets (``launch.placement``)."""
+    engine_cpus: str | None = None
+    """The engines' side's CPUs (``0-3,6``); None: half of the launcher's, rounded up (or what the trainers'
+    leave)."""
+    trainer_cpus: str | None = None
+    """The trainers' CPUs; None: the launcher's CPUs the engines' side does not get."""
     # --- supervision and records ----------------------------------------------------------------
     restart_budget: int = 5
     """Restarts each executor, trainer and the controller get over the run before it fails."""

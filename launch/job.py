@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     from rollout_bus.events.errors import InvalidRequest
     from rollout_bus.events.names import Keys
     from rollout_bus.events.publish import dedupe_ttl_from_env
+    from rollout_bus.launch.placement import ENGINES, PlacementError, PlacementRecord, pin_process, plan
     from rollout_bus.launch.procs import ProcessSet, RestartPolicy, signals_deferred
     from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards, run_faults
     from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
@@ -66,6 +67,12 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         dedupe_ttl_from_env()
     except InvalidRequest as exc:
         raise RunFailed(f"bad environment: {exc}") from None
+    try:
+        placement = plan(config.placement, engine_cpus=config.engine_cpus, trainer_cpus=config.trainer_cpus,
+                         engines=_engine_count(config), trainers=config.trainers)
+    except PlacementError as exc:
+        raise RunFailed(str(exc)) from None
+    placed = PlacementRecord(placement)
     started = time.monotonic()
     out = Path(config.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -80,8 +87,14 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             (out / "redis").mkdir()
         server = private_redis(out / "redis" if config.redis_aof else None, appendonly=config.redis_aof)
         url = server.url
+        redis_proc = getattr(server, "proc", None)  # a fakeredis fallback runs in this process
+        if redis_proc is not None:
+            if placement.disaggregated:
+                pin_process(redis_proc.pid, placement.engine_cpus)
+            placed.observe("redis-server", redis_proc.pid, ENGINES)
     url = redis_url(url)
-    procs = ProcessSet(out / "logs", env={"ROLLOUT_BUS_NAMESPACE": namespace, "REDIS_URL": url}, place=place)
+    procs = ProcessSet(out / "logs", env={"ROLLOUT_BUS_NAMESPACE": namespace, "REDIS_URL": url}, place=place,
+                       placement=placement)
     service = RestartPolicy(budget=config.restart_budget)
     client = connect(url)
     policies = config.policies()
@@ -108,6 +121,11 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
 
             hold_payloads(client, keys, policies)
             holding = True
+        if placement.disaggregated:
+            print(f"placement disaggregated: engines, controller, executors and redis on CPUs "
+                  f"{list(placement.engine_cpus)}, trainers on CPUs {list(placement.trainer_cpus)}"
+                  + (f" (GPUs {placement.engine_gpus} / {placement.trainer_gpus})" if placement.trainer_gpus else ""),
+                  flush=True)
         if ports:
             procs.start("bus-metrics", [*ROLE, "status", "--redis-url", url, "--namespace", namespace,
                                         "--serve-metrics", str(ports["bus-metrics"])], restart=service)
@@ -121,6 +139,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             *(["--eval-engines", str(config.eval_engines)] if config.eval_engines else []),
             "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
             *_janitor_args(config), *_health_args(config), *(["--colocate"] if config.colocate else []),
+            *(["--engine-arg=--torch-threads", f"--engine-arg={placement.engine_threads}"]
+              if placement.disaggregated else []),
             "--weight-sync", config.weight_sync, *config.controller_args, *_metrics_args(ports, "controller")],
             restart=service)
         evals_on = config.eval_problems() > 0
@@ -159,13 +179,15 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             _wait_group(client, keys, policies[0], "recorder", recorder)
         # trainers wait for their policy to be served before they ask for rollouts: no need to wait here
         trainer_policy = RestartPolicy(budget=config.restart_budget, may_finish=True)
+        threads = ["--torch-threads", str(placement.trainer_threads)] if placement.disaggregated else []
         trainers = [procs.start(f"trainer-{p}", [*_trainer_args(config, p, url, namespace, init, weights_root,
-                                                                out / "checkpoints" / p, out / "metrics", task),
+                                                                out / "checkpoints" / p, out / "metrics", task,
+                                                                threads),
                                                  *_metrics_args(ports, f"trainer-{p}")], restart=trainer_policy)
                     for p in policies]
         if on_start is not None:
             on_start(RunHandle(procs, keys, url, fleet))
-        runlog = _follow(config, client, keys, procs, trainers, started, epoch, fleet, tracker)
+        runlog = _follow(config, client, keys, procs, trainers, started, epoch, fleet, tracker, placed)
         if tracker is not None and before is not None:  # each policy's last version, on the same problems
             afters = {}
             for p in policies:
@@ -187,11 +209,13 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                 outputs[p].update({f"eval-{k}": v for k, v in tracker.logs[p].outputs.items()})
         faults = run_faults(client, keys, procs.restarts(), summaries)
         text = (format_summary(summaries, mode=config.mode, wall_s=wall_s, faults=faults) + "\n"
-                + f"weight sync: {config.weight_sync}\n" + format_outputs(outputs))
+                + f"weight sync: {config.weight_sync}\n" + format_outputs(outputs) + "\n" + placed.text())
+        log.info("%s", placed.text())
         result = {"config": asdict(config), "namespace": namespace, "wall_s": wall_s,
                   "weight_sync": config.weight_sync,
                   "policies": {s.policy: s.to_dict() for s in summaries}, "faults": faults.to_dict(),
-                  "metric_logs": {p: {k: str(v) for k, v in o.items()} for p, o in outputs.items()}}
+                  "metric_logs": {p: {k: str(v) for k, v in o.items()} for p, o in outputs.items()},
+                  "placement": placed.to_dict()}
         if fleet is not None:
             result["executors"] = fleet.record.to_dict()
             text += (f"\nexecutors: auto {fleet.policy.min}-{fleet.policy.max}, peak {fleet.record.peak}, "
@@ -294,6 +318,12 @@ def check_context(model_dir: Path, task: dict[str, Any], max_new_tokens: int, pr
                         f"{longest + max_new_tokens} tokens do not fit in the context of {model_dir.name} ({context} "
                         "tokens, max_position_embeddings); lower --max-new-tokens or shorten the prompts (--task)")
     return longest
+
+
+def _engine_count(config: RunConfig) -> int:
+    """The engines the controller starts: one pool, or one per policy of full weights, and the eval engines."""
+    pools = 1 if config.lora_spec() else config.trainers
+    return config.engines * pools + config.eval_engines
 
 
 def _pool_args(config: RunConfig) -> list[str]:
@@ -428,7 +458,7 @@ def _fold_evals(summary: Any, tracker: Any, before: Any, after: Any) -> None:
 
 
 def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init: Path, weights_root: Path,
-                  checkpoint_dir: Path, log_dir: Path, task: dict[str, Any]) -> list[str]:
+                  checkpoint_dir: Path, log_dir: Path, task: dict[str, Any], threads: Sequence[str] = ()) -> list[str]:
     extra: list[str] = []
     if config.model is not None:  # the task travels in every request: each executor serves the same one
         extra = ["--data", json.dumps(task), "--temperature", str(config.temperature),
@@ -444,6 +474,7 @@ def _trainer_args(config: RunConfig, policy: str, url: str, namespace: str, init
             "--rollout-timeout-s", str(config.rollout_timeout_s),
             "--get-timeout-s", str(max(600.0, 2.5 * config.rollout_timeout_s)),  # past a re-ask or two
             "--stale-policy", config.stale_policy, "--lr", str(config.lr), "--epochs", str(config.epochs),
+            "--off-policy", config.off_policy, *threads,
             "--std-normalise" if config.std_normalise else "--no-std-normalise",
             "--minibatches", str(config.minibatches), "--log-to", config.log_to,
             *(["--over-sample-groups", str(config.over_sample_groups())] if config.filters_groups() else []),
@@ -505,7 +536,7 @@ def _filter_args(config: RunConfig) -> list[str]:
 
 
 def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float,
-            epoch: Any, fleet: Any = None, tracker: Any = None) -> Any:
+            epoch: Any, fleet: Any = None, tracker: Any = None, placed: Any = None) -> Any:
     """Follow the trainer stream until every trainer is done; restart what died; fail when one keeps dying,
     or when Redis lost the run's data (its bus epoch vanished: ``RunFailed`` with that reason)."""
     from tqdm import tqdm
@@ -536,6 +567,8 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                     tracker.poll()
                 if time.monotonic() - last_adopt > 1.0:
                     _adopt_engines(client, keys, procs)
+                    if placed is not None:
+                        _observe(placed, procs)
                     last_adopt = time.monotonic()
             except BusReset as exc:
                 _let_roles_notice(procs)
@@ -562,6 +595,17 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                 return runlog
             if time.monotonic() - started > config.timeout_s:
                 raise RunFailed(f"the run did not finish in {config.timeout_s:.0f}s")
+
+
+def _observe(placed: Any, procs: Any) -> None:
+    """Read back the CPUs and GPUs of every process of the run now running (each once, again after a restart)."""
+    from rollout_bus.launch.placement import ENGINES
+
+    for child in procs.children:
+        if child.alive():
+            placed.observe(child.name, child.pid)
+    for pid, name in list(procs.extra_pids.items()):  # the engines the controller started
+        placed.observe(name, pid, ENGINES)
 
 
 def _let_roles_notice(procs: Any) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from rollout_bus.events import processes
 from rollout_bus.events.errors import BusReset, LeaseLost
+from rollout_bus.launch.placement import Placement, child_setup
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class Child:
     """When a dead child is due to start again (``time.monotonic``); None while it runs."""
     retiring: bool = False
     """Told to stop for good (``ProcessSet.retire``): its exit is not a death, and it is not started again."""
+    cpus: tuple[int, ...] | None = None
+    """The CPUs it is pinned to from before its exec (``launch.placement``), restarts too; None: the run's own."""
 
     @property
     def pid(self) -> int:
@@ -100,6 +103,20 @@ class Child:
             return ""
 
 
+def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
+    """A child's ``preexec_fn``: it dies with the launcher (``PR_SET_PDEATHSIG``), and runs on ``cpus`` when
+    its placement pins it."""
+    die = processes.die_with_parent(signal.SIGKILL)
+    pin = child_setup(cpus)
+
+    def setup() -> None:
+        die()
+        if pin is not None:
+            pin()
+
+    return setup
+
+
 @dataclass
 class ProcessSet:
     log_dir: Path
@@ -110,18 +127,23 @@ class ProcessSet:
     place: Callable[[str], list[str]] | None = None
     """A command prefix per child name, to run a role elsewhere (``ip netns exec``, ``ssh host``); the
     prefix must exec the command, so the pid stays the role's own."""
+    placement: Placement | None = None
+    """The CPUs (and environment: thread counts, GPUs) of each child by its name (``launch.placement``)."""
 
     def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None, *,
               restart: RestartPolicy | None = None) -> Child:
         """Run ``python <args...>`` (this interpreter); output goes to ``<log_dir>/<name>.log``.
 
-        With ``restart`` the child is supervised (see ``supervise``)."""
+        With ``restart`` the child is supervised (see ``supervise``). Under a ``placement`` that pins it, it
+        runs on its CPUs alone from before its exec, and so does every thread and process it starts."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        full_env = dict(os.environ, **self.env, **(env or {}))
+        placed = self.placement or Placement()
+        full_env = dict(os.environ, **self.env, **placed.env(name), **(env or {}))
         full_env[processes.RUN_ENV] = processes.run_marker()  # what the engines its controller starts watch
-        child = Child(name, self._spawn(self._prefix(name), list(args), full_env, log_path), log_path, list(args),
-                      full_env, restart)
+        pinned = placed.cpus(name)
+        child = Child(name, self._spawn(self._prefix(name), list(args), full_env, log_path, pinned), log_path,
+                      list(args), full_env, restart, cpus=pinned)
         self.children.append(child)
         log.debug("started %s (pid %d): %s", name, child.pid, " ".join(args))
         return child
@@ -130,10 +152,11 @@ class ProcessSet:
         return self.place(name) if self.place is not None else []
 
     @staticmethod
-    def _spawn(prefix: list[str], args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    def _spawn(prefix: list[str], args: list[str], env: dict[str, str], log_path: Path,
+               cpus: tuple[int, ...] | None = None) -> subprocess.Popen[bytes]:
         with log_path.open("ab") as out:
             return subprocess.Popen([*prefix, sys.executable, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=processes.die_with_parent(signal.SIGKILL))
+                                    start_new_session=True, preexec_fn=_child_setup(cpus))
 
     def supervise(self, now: float | None = None) -> list[Child]:
         """Restart supervised children that died, after their backoff; returns those started again now.
@@ -161,7 +184,7 @@ class ProcessSet:
                 with child.log_path.open("ab") as out:
                     out.write(f"--- restarted by the run (restart {child.restarts}) after exit status "
                               f"{child.exits[-1]} ---\n".encode())
-                child.proc = self._spawn(self._prefix(child.name), child.args, child.env, child.log_path)
+                child.proc = self._spawn(self._prefix(child.name), child.args, child.env, child.log_path, child.cpus)
                 restarted.append(child)
         return restarted
 

@@ -31,6 +31,8 @@ from rollout_bus.trainer.config import (  # light: dataclasses only
     DP_STRATEGIES,
     LOG_BACKENDS,
     MODES,
+    OFF_POLICIES,
+    OFF_POLICY_HELP,
     STALE_POLICIES,
     WEIGHT_SYNCS,
     LogConfig,
@@ -102,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--minibatches", type=int, default=1)
-    t.add_argument("--tis-cap", type=float, default=2.0)
+    t.add_argument("--tis-cap", type=float, default=2.0,
+                   help="C: the cap of the importance weight (tis, decoupled) or the band [1/C, C] (mis)")
+    t.add_argument("--off-policy", choices=OFF_POLICIES, default="tis",
+                   help="the off-policy correction: " + "; ".join(f"{k}: {v}" for k, v in OFF_POLICY_HELP.items()))
     t.add_argument("--ppo-clip", type=float, default=0.2, help="<= 0 turns the PPO clip off")
     t.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus in the loss")
     t.add_argument("--dp-rank", type=int, default=0)
@@ -173,7 +178,7 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
                               bucket_mb=ns.bucket_mb, group_timeout_s=ns.group_timeout_s),
         optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),
         loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None,
-                          entropy_coef=ns.entropy_coef),
+                          entropy_coef=ns.entropy_coef, off_policy=ns.off_policy),
         log=LogConfig(to=parse_log_to(ns.log_to), dir=ns.log_dir, run_name=ns.run_name,
                       wandb_project=ns.wandb_project),
         hf=HFSettings(micro_batch_size=ns.micro_batch_size, temperature=ns.temperature, device=ns.device,

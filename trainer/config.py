@@ -20,10 +20,20 @@ Mode = Literal["sync", "one-step", "async"]
 StalePolicy = Literal["drop", "requeue"]
 DataParallel = Literal["shared-group", "shards"]
 LogBackend = Literal["jsonl", "tensorboard", "wandb"]
+OffPolicy = Literal["tis", "mis", "decoupled"]
 MODES: tuple[str, ...] = get_args(Mode)
 STALE_POLICIES: tuple[str, ...] = get_args(StalePolicy)
 DP_STRATEGIES: tuple[str, ...] = get_args(DataParallel)
 LOG_BACKENDS: tuple[str, ...] = get_args(LogBackend)
+OFF_POLICIES: tuple[str, ...] = get_args(OffPolicy)
+OFF_POLICY_HELP: dict[str, str] = {
+    "tis": "truncated importance sampling: each token weighted by min(trainer/behaviour ratio, C) (the default)",
+    "mis": "masked importance sampling: tokens whose trainer/behaviour ratio leaves [1/C, C] get weight 0 "
+           "(the share masked is logged per step)",
+    "decoupled": "AReaL's decoupled PPO: the clip is taken against the proximal policy (the previous version, "
+                 "recomputed at train time), weighted by min(proximal/behaviour ratio, C)",
+}
+"""What each ``--off-policy`` choice does, in one line (``C`` is ``--tis-cap``)."""
 BACKEND_EXTRAS: dict[str, tuple[str, str]] = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 """Backend -> (the module it needs, the extra of this package that installs it)."""
 
@@ -118,6 +128,26 @@ class LossSettings:
     ppo_clip: float | None = 0.2
     entropy_coef: float = 0.0
     """Weight of the entropy bonus in the loss (0: the policy-gradient term alone)."""
+    off_policy: str = "tis"
+    """The off-policy correction, of ``OFF_POLICIES`` (``trainer.grpo``)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.tis_cap < 0:
+            out.append(f"loss.tis_cap must be >= 0 (0 disables it), got {self.tis_cap}")
+        if self.off_policy not in OFF_POLICIES:
+            out.append(f"loss.off_policy {self.off_policy!r} is not one of {list(OFF_POLICIES)}")
+        elif self.off_policy == "mis" and not self.tis_cap > 1:
+            out.append(f"off-policy mis keeps the ratios in [1/C, C]: the cap C (--tis-cap) must be > 1, "
+                       f"got {self.tis_cap}")
+        elif self.off_policy == "decoupled":
+            if not self.tis_cap > 0:
+                out.append(f"off-policy decoupled weights each token by min(proximal/behaviour, C): the cap C "
+                           f"(--tis-cap) must be > 0, got {self.tis_cap}")
+            if self.ppo_clip is None:
+                out.append("off-policy decoupled clips against the proximal policy: it needs the PPO clip "
+                           "(--ppo-clip > 0)")
+        return out
 
 
 @dataclass
@@ -259,8 +289,7 @@ class TrainerConfig:
             problems.append("publish: bucket_mb and group_timeout_s must be > 0, group_port a port (0: any free one)")
         if self.optim.lr <= 0 or self.optim.epochs < 1 or self.optim.minibatches < 1:
             problems.append("optim: lr must be > 0, epochs and minibatches >= 1")
-        if self.loss.tis_cap < 0:
-            problems.append(f"loss.tis_cap must be >= 0 (0 disables it), got {self.loss.tis_cap}")
+        problems += self.loss.problems()
         if self.initial_version < 0:
             problems.append(f"initial_version must be >= 0, got {self.initial_version}")
         if self.lease_ttl_s <= 0:

@@ -107,7 +107,7 @@ class HFLearner:
             model.config.use_cache = False
         self.model = model
         self.optim_config = optim
-        self.loss_config = LossConfig(tis_cap=loss.tis_cap, ppo_clip=loss.ppo_clip, entropy_coef=loss.entropy_coef)
+        self.loss_config = LossConfig.of(loss)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no parameter that requires a gradient")
@@ -209,7 +209,7 @@ class HFLearner:
         """
         batch = lay.padded
         total = float(batch.loss_mask[rows].sum())
-        sums: dict[str, float] = {"micro_batches": 0.0}
+        sums: dict[str, float] = {"micro_batches": 0.0, "backward_passes": 0.0}
         for chunk in self._chunks(lay, rows):
             cols = chunk.width - 1
             mask = batch.loss_mask[chunk.rows, :cols].to(self.device)
@@ -222,7 +222,9 @@ class HFLearner:
             out = grpo_loss(logp, old, batch.rollout_logp[chunk.rows, :cols].to(self.device),
                             batch.advantages[chunk.rows].to(self.device), mask, self.loss_config, entropy=entropy)
             share = tokens / total
-            (out.loss * share).backward()
+            if out.has_gradient:  # a micro-batch whose every token mis masked adds nothing to the gradient
+                (out.loss * share).backward()
+                sums["backward_passes"] += 1
             for key, value in out.metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * share
             sums["micro_batches"] += 1
@@ -233,7 +235,16 @@ class HFLearner:
         non-finite loss, gradient or result is refused (``trainer.finite.NonFiniteStep``) and leaves the
         trainable weights and the optimiser as they were. A batch without signal (every advantage 0 on
         its trained tokens: ``grpo.has_signal``) takes no forward pass and no optimiser step (Adam's
-        momentum would move the weights anyway): ``skipped_no_signal`` is 1 in the metrics."""
+        momentum would move the weights anyway): ``skipped_no_signal`` is 1 in the metrics. An optimiser step
+        whose every micro-batch had every token masked (``mis``) has no gradient and is not taken; when no step
+        of the batch is, the batch is reported as one without signal.
+
+        ``old_logp`` is the batch's log-probs under the weights before the first optimiser step, recomputed
+        once under no_grad in eval mode, micro-batch by micro-batch, and used by every optimiser step of every
+        epoch. With ``decoupled`` that is AReaL's proximal policy, the previous weight version: the trainer
+        publishes one version per ``train_step`` (``TrainerService._train``), so the weights before this step
+        are the version last given to the engines, full weights or a LoRA adapter alike. With one optimiser step
+        and ``tis`` or ``mis`` the training forward's detached log-probs stand in for it."""
         started = time.perf_counter()
         temperature = self._temperature(temperature)
         lay = layout(data)
@@ -245,13 +256,13 @@ class HFLearner:
         n = batch.input_ids.shape[0]
         o = self.optim_config
         old_logp: Tensor | None = None
-        if o.epochs > 1 or o.minibatches > 1:
-            self.model.eval()
+        if o.epochs > 1 or o.minibatches > 1 or self.loss_config.recomputes_proximal:
+            self.model.eval()  # before any optimiser step: the previous version (see the docstring)
             with torch.no_grad():
                 old_logp = self._padded_logprobs(lay, torch.arange(n), temperature)
         self.model.train()
         sums: dict[str, float] = {}
-        updates = 0
+        updates = passes = 0
         grad_norm = 0.0
         size = math.ceil(n / o.minibatches)
         for _ in range(o.epochs):
@@ -260,18 +271,23 @@ class HFLearner:
                 rows = order[begin:begin + size]
                 self.optimizer.zero_grad(set_to_none=True)
                 metrics = self.accumulate(lay, rows, temperature, None if old_logp is None else old_logp[rows])
+                passes += 1
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                if not metrics.pop("backward_passes"):  # nothing reached the gradient: no optimiser step
+                    continue
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, o.grad_clip))
                 guard.check_update(metrics.get("loss", 0.0), grad_norm)
                 self.optimizer.step()
                 updates += 1
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value
         guard.check_weights()
         elapsed = time.perf_counter() - started
         tokens = float(batch.attention_mask.sum())
         micro_batches = sums.pop("micro_batches", 0.0)
-        out = {k: v / max(updates, 1) for k, v in sums.items()}
-        out.update(grad_norm=grad_norm, optimizer_steps=float(updates), skipped_no_signal=0.0, response_tokens=float(batch.loss_mask.sum()),
+        sums.pop("backward_passes", None)
+        out = {k: v / max(passes, 1) for k, v in sums.items()}
+        out.update(grad_norm=grad_norm, optimizer_steps=float(updates), skipped_no_signal=float(updates == 0),
+                   response_tokens=float(batch.loss_mask.sum()),
                    micro_batches=micro_batches, train_ms=elapsed * 1000,
                    train_tokens_per_s=tokens * o.epochs / elapsed if elapsed > 0 else 0.0)
         return out

@@ -69,7 +69,7 @@ class Learner:
         """The rollouts' sampling temperature: log-probs are ``log_softmax(logits / temperature)``, as the
         engine reports them."""
         self.optim_config = optim
-        self.loss_config = LossConfig(tis_cap=loss.tis_cap, ppo_clip=loss.ppo_clip, entropy_coef=loss.entropy_coef)
+        self.loss_config = LossConfig.of(loss)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay)
 
@@ -82,7 +82,16 @@ class Learner:
         result is refused (``trainer.finite.NonFiniteStep``) and leaves model and optimiser as they were.
         A batch without signal (every advantage 0 on its trained tokens: ``grpo.has_signal``) takes no
         optimiser step at all (Adam's momentum would move the weights anyway): the metrics say
-        ``skipped_no_signal`` 1 and the model and optimiser are untouched.
+        ``skipped_no_signal`` 1 and the model and optimiser are untouched. A mini-batch whose every token
+        ``mis`` masked has no gradient either and takes no optimiser step; when none of the batch's did,
+        the step is reported as one without signal (``is_masked_frac`` 1).
+
+        ``old_logp`` (``grpo_loss``'s) is the batch's log-probs under the weights before the first optimiser
+        step, computed once under no_grad for every mini-batch and epoch: with ``decoupled`` it is AReaL's
+        proximal policy, the previous weight version. That holds because the trainer publishes one version
+        per ``train_step`` (``TrainerService._train``): the weights before this step are the version the
+        engines were last given, however many optimiser steps the step then takes. With one optimiser step
+        and ``tis`` or ``mis`` the training forward's own log-probs (detached) stand in for it.
         """
         started = time.perf_counter()
         batch = to_padded(data)
@@ -94,11 +103,11 @@ class Learner:
         n = batch.input_ids.shape[0]
         single = self.optim_config.epochs == 1 and self.optim_config.minibatches == 1
         old_logp: Tensor | None = None
-        if not single:
-            with torch.no_grad():
+        if not single or self.loss_config.recomputes_proximal:
+            with torch.no_grad():  # before any optimiser step: the previous version (see the docstring)
                 old_logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
         sums: dict[str, float] = {}
-        updates = 0
+        updates = passes = 0
         grad_norm = 0.0
         for _ in range(self.optim_config.epochs):
             order = torch.randperm(n) if self.optim_config.minibatches > 1 else torch.arange(n)
@@ -110,6 +119,11 @@ class Learner:
                 old = logp.detach() if old_logp is None else old_logp[idx]
                 out = grpo_loss(logp, old, batch.rollout_logp[idx], batch.advantages[idx],
                                 batch.loss_mask[idx], self.loss_config, entropy=entropy)
+                passes += 1
+                for k, v in out.metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if not out.has_gradient:  # every token masked: no gradient, no optimiser step
+                    continue
                 self.optimizer.zero_grad(set_to_none=True)
                 out.loss.backward()
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
@@ -117,11 +131,9 @@ class Learner:
                 guard.check_update(float(out.loss.detach()), grad_norm)
                 self.optimizer.step()
                 updates += 1
-                for k, v in out.metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
         guard.check_weights()
-        metrics = {k: v / max(updates, 1) for k, v in sums.items()}
-        metrics.update(grad_norm=grad_norm, optimizer_steps=float(updates), skipped_no_signal=0.0,
+        metrics = {k: v / max(passes, 1) for k, v in sums.items()}
+        metrics.update(grad_norm=grad_norm, optimizer_steps=float(updates), skipped_no_signal=float(updates == 0),
                        response_tokens=float(batch.loss_mask.sum()),
                        train_ms=(time.perf_counter() - started) * 1000)
         return metrics

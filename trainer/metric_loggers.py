@@ -41,6 +41,7 @@ STEP_SCALARS: dict[str, str] = {
     "loss/entropy": "entropy bonus, -entropy_coef x policy/entropy (0 with the default coefficient)",
     "policy/entropy": "mean entropy (nats) of the policy's next-token distribution on the response tokens",
     "offpolicy/tis_truncated_frac": "share of response tokens whose importance weight hit the TIS cap",
+    "offpolicy/is_masked_frac": "share of response tokens masked by --off-policy mis (ratio outside [1/C, C])",
     "offpolicy/ppo_clipped_frac": "share of response tokens the PPO clip bounded",
     "offpolicy/is_weight_mean": "mean importance weight (trainer over rollout policy) before truncation",
     "offpolicy/rollout_kl": "mean of rollout log-prob minus trainer log-prob on the response tokens",
@@ -65,7 +66,8 @@ STALENESS_HISTOGRAM = "staleness"
 _FROM_METRICS: dict[str, str] = {
     "reward/mean": "reward_mean", "reward/std": "reward_std", "loss/total": "loss",
     "loss/policy_gradient": "pg_loss", "loss/entropy": "entropy_loss", "policy/entropy": "entropy",
-    "offpolicy/tis_truncated_frac": "is_truncated_frac", "offpolicy/ppo_clipped_frac": "ppo_clipped_frac",
+    "offpolicy/tis_truncated_frac": "is_truncated_frac", "offpolicy/is_masked_frac": "is_masked_frac",
+    "offpolicy/ppo_clipped_frac": "ppo_clipped_frac",
     "offpolicy/is_weight_mean": "is_weight_mean", "offpolicy/rollout_kl": "rollout_kl",
     "optim/grad_norm": "grad_norm", "optim/skipped_no_signal": "skipped_no_signal", "staleness/mean": "staleness_mean", "staleness/max": "staleness_max",
     "batch/samples": "n_samples", "batch/tokens": "response_tokens",

@@ -15,7 +15,7 @@ Modes (DESIGN.md section 2):
 One step: train, save the weights file of ``v+1``, checkpoint (model, optimiser, trained
 batch ids, step, version; atomically), then ack the batch (``BatchConsumed``), then
 ``WeightsPublished`` and ``TrainStepDone``. A batch without signal (every advantage 0: each group all
-right or all wrong) is a step that publishes nothing: the learner takes no optimiser step, the version
+right or all wrong, or every token masked by ``--off-policy mis``) is a step that publishes nothing: the learner takes no optimiser step, the version
 stays, the batch is acked unused (``no signal``) and checkpointed as done, and ``TrainStepDone`` carries
 the unchanged version with ``skipped_no_signal`` 1 (so a step count and a version count differ). Every one of these writes is bound to the policy
 lease (``trainer.lease``): a trainer paused past it gets ``LeaseLost`` at the next one and stops. A restarted trainer loads the checkpoint,
@@ -476,8 +476,7 @@ class Trainer:
         for after in self.after_checkpoint:
             after(state)
         if skipped:
-            client.ack(batch, staleness=batch_staleness, accepted=False,
-                       reason="no signal: every advantage is 0 (no optimiser step, no new version)")
+            client.ack(batch, staleness=batch_staleness, accepted=False, reason=_no_signal_reason(metrics))
             m.BATCHES.labels(*self._labels, "no_signal").inc()
         else:
             client.ack(batch, staleness=batch_staleness, accepted=True)
@@ -488,8 +487,8 @@ class Trainer:
         for hook in self.on_step:
             hook(state, metrics)
         if skipped:
-            log.info("step %d: no signal in batch %s (reward %.3f on %d samples, every advantage 0): no optimiser "
-                     "step, version stays %d", state.step, batch.batch_id, reward, len(data), state.version)
+            log.info("step %d: %s in batch %s (reward %.3f on %d samples), version stays %d", state.step,
+                     _no_signal_reason(metrics), batch.batch_id, reward, len(data), state.version)
         else:
             log.info("step %d: reward %.3f on %d samples (staleness max %d), loss %.4f, %.0f ms", state.step, reward,
                      len(data), int(trained_staleness.max()), metrics.get("loss", 0.0), (t1 - t0) * 1000)
@@ -603,3 +602,11 @@ def _trainable_state(model: Any) -> dict[str, torch.Tensor]:
     """The parameters that train (all of a full fine-tune, the adapter's of a LoRA one), by state-dict name."""
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     return {name: t for name, t in model.state_dict().items() if name in trainable}
+
+
+def _no_signal_reason(metrics: dict[str, float]) -> str:
+    """Why a step took no optimiser step: every advantage 0, or every token masked (``mis``)."""
+    if metrics.get("is_masked_frac") == 1.0:
+        return "no signal: every token's importance ratio left [1/C, C] (mis masked them all: no optimiser step, " \
+               "no new version)"
+    return "no signal: every advantage is 0 (no optimiser step, no new version)"

@@ -79,3 +79,28 @@ def test_earlier_curves_combine_into_one_file_and_a_seed_without_sync_is_left_ou
     assert sorted((c.mode, c.seed) for c in load_curves(out)) == [("async", 0), ("async", 1), ("sync", 0)]
     with pytest.raises(SystemExit, match="sync seed 0 is in an earlier --with file too"):
         main(["--seeds", "", "--with", str(first), "--with", str(first)])
+
+
+def test_each_curve_keeps_its_placement_correction_and_cpus_and_kinds_do_not_mix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench_learning import Curve, Point, load_curves, main, save_curves
+
+    def curve(mode: str, placement: str, off_policy: str) -> Curve:
+        return Curve(mode, 0, 10.0, 8.0, [Point(0, 0.0, 0.2, 0.1, 0.3)], 64, placement, off_policy,
+                     {"engines": [0], "trainer": [1]})
+
+    path = tmp_path / "dis.json"
+    save_curves([curve("sync", "disaggregated", "mis"), curve("async", "disaggregated", "mis")], path)
+    back = load_curves(path)
+    assert [(c.placement, c.off_policy, c.cpus) for c in back] == [("disaggregated", "mis",
+                                                                    {"engines": [0], "trainer": [1]})] * 2
+    summary = main(["--seeds", "", "--modes", "sync,async", "--with", str(path)])
+    assert (summary["placement"], summary["off_policy"]) == ("disaggregated", "mis")
+    old = tmp_path / "old.json"  # a file from before the flags: shared, tis
+    old.write_text(json.dumps([{k: v for k, v in d.items() if k not in ("placement", "off_policy", "cpus")}
+                               for d in json.loads(path.read_text())]))
+    assert {(c.placement, c.off_policy) for c in load_curves(old)} == {("shared", "tis")}
+    save_curves([Curve("async", 1, 1.0, 1.0, [], 0, "shared", "tis")], tmp_path / "other.json")
+    with pytest.raises(SystemExit, match="mix placements or corrections"):
+        main(["--seeds", "", "--modes", "sync,async", "--with", str(path),
+              "--with", str(tmp_path / "other.json")])

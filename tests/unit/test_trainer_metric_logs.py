@@ -224,7 +224,7 @@ def test_a_missing_backend_package_is_named_with_the_extra_that_installs_it(
 
 def test_a_step_record_turns_milliseconds_into_seconds_and_counts_per_second_of_the_step() -> None:
     metrics = {"reward_mean": 0.5, "reward_std": 0.1, "loss": 0.2, "pg_loss": 0.25, "entropy_loss": -0.05,
-               "entropy": 1.5, "is_truncated_frac": 0.1, "ppo_clipped_frac": 0.0, "is_weight_mean": 1.0,
+               "entropy": 1.5, "is_truncated_frac": 0.1, "is_masked_frac": 0.0, "ppo_clipped_frac": 0.0, "is_weight_mean": 1.0,
                "rollout_kl": 0.01, "grad_norm": 2.0, "skipped_no_signal": 0.0, "staleness_mean": 0.5, "staleness_max": 1.0,
                "n_samples": 8.0, "response_tokens": 40.0, "wait_ms": 300.0, "train_ms": 50.0,
                "serving_wait_ms": 0.0, "weights_save_ms": 15.0, "publish_ms": 5.0,

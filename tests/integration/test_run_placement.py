@@ -1,0 +1,106 @@
+"""``rollout-bus run --placement disaggregated``: the engines' side and the trainer on disjoint CPUs.
+
+A short real run of the tiny LM (its own redis-server, the controller and its engine, an executor and
+the trainer as processes). While it is up, a watcher reads the kernel's affinity of every thread of the
+trainer, the engine, the controller, the executor and redis; the summary's placement, read back by the
+run itself, must say the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_bus.events.connection import connect
+from rollout_bus.events.registry import Registry
+from rollout_bus.launch.config import RunConfig
+from rollout_bus.launch.job import RunHandle, run_job
+from rollout_bus.launch.placement import ENGINES, TRAINER
+from tests.support.fake_rollouts import shared_init_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+MINE = sorted(os.sched_getaffinity(0))
+
+
+def threads_of(pid: int) -> dict[int, set[int]]:
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+            out[int(task.name)] = os.sched_getaffinity(int(task.name))
+    return out
+
+
+class Watcher(threading.Thread):
+    """Every 0.2 s while the run is up: each role's pid and the affinity of each of its threads."""
+
+    def __init__(self, handle: RunHandle) -> None:
+        super().__init__(daemon=True)
+        self.handle = handle
+        self.seen: dict[str, dict[int, set[int]]] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        client = connect(self.handle.url)
+        registry = Registry(client, self.handle.keys)
+        try:
+            while not self.stop.is_set():
+                pids = {c.name: c.pid for c in self.handle.procs.children if c.alive()}
+                pids.update({e.engine_id: e.pid for e in registry.engines().values() if e.pid})
+                for name, pid in pids.items():
+                    with contextlib.suppress(FileNotFoundError):  # it exited meanwhile
+                        self.seen.setdefault(name, {}).update(threads_of(pid))
+                time.sleep(0.2)
+        finally:
+            client.close()
+
+
+@pytest.mark.skipif(len(MINE) < 2, reason="disaggregated placement needs 2 CPUs")
+def test_a_disaggregated_run_keeps_the_engines_and_the_trainer_on_disjoint_cpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)  # the run's own redis-server, pinned with the engines
+    engines_cpus = MINE[:(len(MINE) + 1) // 2]
+    trainer_cpus = MINE[(len(MINE) + 1) // 2:]
+    watchers: list[Watcher] = []
+
+    def on_start(handle: RunHandle) -> None:
+        watchers.append(Watcher(handle))
+        watchers[0].start()
+
+    config = RunConfig(mode="async", steps=4, seed=0, out=str(tmp_path / "out"), init_dir=str(shared_init_dir()),
+                       progress=False, plot=False, n_groups=4, n_samples=4, timeout_s=180.0, redis_aof=False,
+                       placement="disaggregated", off_policy="decoupled")
+    try:
+        result = run_job(config, on_start=on_start)
+    finally:
+        for w in watchers:
+            w.stop.set()
+            w.join(5)
+    seen = watchers[0].seen
+    engines = [n for n in seen if n.startswith("engine")]
+    assert engines and "trainer-p0" in seen and "controller" in seen and "executor-0" in seen
+    assert len(seen["trainer-p0"]) > 1  # torch's and the trainer's own threads, not only the main one
+    for name, threads in seen.items():  # every thread of every process, as the kernel had it during the run
+        want = set(trainer_cpus) if name.startswith("trainer-") else set(engines_cpus)
+        assert all(cpus == want for cpus in threads.values()), (name, threads)
+
+    summary: dict[str, Any] = json.loads((result.out / "summary.json").read_text())
+    placed = summary["placement"]
+    assert placed["mode"] == "disaggregated" and placed["disjoint"] is True
+    assert placed["engine_cpus"] == engines_cpus and placed["trainer_cpus"] == trainer_cpus
+    assert placed["observed"] == {ENGINES: engines_cpus, TRAINER: trainer_cpus}
+    processes = placed["processes"]
+    assert processes["trainer-p0"]["cpus"] == trainer_cpus and processes["trainer-p0"]["side"] == TRAINER
+    for name in ("controller", "executor-0", "redis-server", *engines):
+        assert processes[name]["cpus"] == engines_cpus and processes[name]["side"] == ENGINES, name
+    for name in ("trainer-p0", "controller", *engines):  # read from the very processes the watcher saw
+        assert processes[name]["pid"] in seen[name], name
+    assert summary["config"]["off_policy"] == "decoupled" and summary["policies"]["p0"]["steps"] == 4
+    assert f"trainer on CPUs {trainer_cpus}" in result.text and f"engines on CPUs {engines_cpus}" in result.text
