@@ -86,8 +86,9 @@ def test_jedi_goes_from_a_role_to_the_bus_module_that_defines_the_name() -> None
 
 @pytest.mark.integration
 def test_the_wheel_installs_one_top_level_import_name_that_imports_every_role(tmp_path: Path) -> None:
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the wheel and nothing beside it
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300, env=clean)
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("rollout_bus-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -111,7 +112,7 @@ def test_the_wheel_installs_one_top_level_import_name_that_imports_every_role(tm
     ours = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir())
     Path(site, "deps.pth").write_text(ours + "\n")
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-                                str(wheel)], capture_output=True, text=True, timeout=300)
+                                str(wheel)], capture_output=True, text=True, timeout=300, env=clean)
     assert installed.returncode == 0, installed.stderr
     probe = ("import importlib, sys\n"
              "import rollout_bus\n"
@@ -123,7 +124,7 @@ def test_the_wheel_installs_one_top_level_import_name_that_imports_every_role(tm
              "    else:\n        sys.exit(f'{bare} importable on its own')\n"
              "print('OK')\n")
     ran = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                         env=clean)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "OK"
 
