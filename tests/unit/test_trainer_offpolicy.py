@@ -250,6 +250,6 @@ def test_a_trainer_reports_a_step_mis_masked_whole_and_publishes_no_version_for_
     steps = events_of(client, keys.trainer_stream, TrainStepDone)
     assert [s.metrics["is_masked_frac"] for s in steps] == [0.0, 1.0, 0.0]
     assert [s.metrics["skipped_no_signal"] for s in steps] == [0.0, 1.0, 0.0]
-    assert [e.version for e in events_of(client, keys.weight_stream, WeightsPublished)] == [1, 2]
+    assert [e.version for e in events_of(client, keys.weight_stream(config.policy), WeightsPublished)] == [1, 2]
     consumed = {c.batch_id: c for c in events_of(client, keys.trainer_stream, BatchConsumed)}
     assert not consumed[masked].accepted and "mis masked them all" in consumed[masked].reason
