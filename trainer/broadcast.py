@@ -81,6 +81,8 @@ class WeightSender:
         self._cursor = "0"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._answered: set[int] = set()
+        """Versions whose request this sender handled, sent or not."""
 
     # --- what is offered ---------------------------------------------------------------------------
     def offer(self, version: int, model: Any, directory: Path) -> list[list[str]] | None:
@@ -128,7 +130,20 @@ class WeightSender:
             self._thread = threading.Thread(target=self._run, name=f"weight-sender-{self.policy}", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def pending(self) -> bool:
+        """The newest offered version was published and no request for it has been handled yet."""
+        with self._lock:
+            offer = self._offer
+            return offer is not None and offer.entry_id != "" and offer.version not in self._answered
+
+    def stop(self, timeout_s: float = 5.0, drain_s: float = 0.0) -> None:
+        """Stop the thread; first, for up to ``drain_s``, let it answer the request for the newest published
+        version (the controller asks right after it accepts the ``WeightsPublished``), so a trainer's last
+        version goes by collective too instead of falling back to disk when the trainer exits."""
+        deadline = time.monotonic() + drain_s
+        while self._thread is not None and self._thread.is_alive() and self.pending() \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -164,6 +179,13 @@ class WeightSender:
 
     def serve(self, request: WeightBroadcastRequested) -> bool:
         """Join the requested group if new, and broadcast the requested version; False when it was not sent."""
+        try:
+            return self._serve(request)
+        finally:
+            with self._lock:
+                self._answered.add(request.version)
+
+    def _serve(self, request: WeightBroadcastRequested) -> bool:
         problem = self._request_problem(request)
         with self._lock:
             offer = self._offer

@@ -203,7 +203,7 @@ class Trainer:
 
     def stop(self) -> None:
         if self.sender is not None:
-            self.sender.stop()
+            self.sender.stop(drain_s=5.0)
         if self.client is not None:
             self.client.stop()
         if self.step_log is not None:

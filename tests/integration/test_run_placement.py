@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -104,3 +105,23 @@ def test_a_disaggregated_run_keeps_the_engines_and_the_trainer_on_disjoint_cpus(
         assert processes[name]["pid"] in seen[name], name
     assert summary["config"]["off_policy"] == "decoupled" and summary["policies"]["p0"]["steps"] == 4
     assert f"trainer on CPUs {trainer_cpus}" in result.text and f"engines on CPUs {engines_cpus}" in result.text
+
+
+@pytest.mark.skipif(len(MINE) < 2, reason="disaggregated placement needs 2 CPUs")
+def test_a_disaggregated_run_with_weights_by_broadcast_sends_every_version_by_collective(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run --placement disaggregated --weight-sync broadcast``: the summary names both, and the versions,
+    the trainer's last one too, reach the engine through the collective (the last one no longer falls back
+    to disk because the trainer exited before the controller asked for it)."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    steps = 5
+    config = RunConfig(mode="async", steps=steps, seed=0, out=str(tmp_path / "out"),
+                       init_dir=str(shared_init_dir()), progress=False, plot=False, n_groups=4, n_samples=4,
+                       timeout_s=180.0, redis_aof=False, placement="disaggregated", weight_sync="broadcast")
+    result = run_job(config)
+    summary: dict[str, Any] = json.loads((result.out / "summary.json").read_text())
+    assert summary["weight_sync"] == "broadcast" and summary["placement"]["mode"] == "disaggregated"
+    assert summary["policies"]["p0"]["steps"] == steps
+    trainer_log = (result.out / "logs" / "trainer-p0.log").read_text()
+    sent = sorted({int(v) for v in re.findall(r"broadcast p0 v(\d+) in ", trainer_log)})
+    assert steps in sent and len(sent) >= steps - 1, sent  # the last version too (v1 may open the group by disk)
