@@ -11,6 +11,12 @@ every bucket of the version, tensor by tensor, in the plan's order, while the co
 engines' routes. A request for another version than the one held, or a group that does not form or
 breaks within ``timeout_s``, is logged and dropped: the controller then delivers the version from its
 directory. LoRA adapters are not offered (they travel by disk: they are small).
+
+The sender holds the newest ``keep`` versions offered, not only the newest: in async training a
+trainer often saves the next version before the controller's request for the previous one arrives,
+and a request the sender cannot serve costs the engines a group that never forms (``timeout_s``)
+before the disk fallback. A request for version v also drops every version older than v: the
+controller only moves forward.
 """
 
 from __future__ import annotations
@@ -61,7 +67,10 @@ class WeightSender:
     """Rank 0 of the weight-update groups of one policy (see the module docstring)."""
 
     def __init__(self, client: Redis, keys: Keys, policy: str, *, host: str = "127.0.0.1", port: int = 0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0, backend: str = "gloo") -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0, backend: str = "gloo",
+                 keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1 (the newest version), got {keep}")
         self.client = client
         self.keys = keys
         self.policy = policy
@@ -75,7 +84,9 @@ class WeightSender:
         self.sent: list[SentVersion] = []
         """Versions broadcast so far (newest last)."""
         self.failures: list[str] = []
-        self._offer: Offer | None = None
+        self.keep = keep
+        self._offers: dict[int, Offer] = {}
+        """Versions held, oldest first (at most ``keep``)."""
         self._group: tuple[str, Any] | None = None
         self._lock = threading.Lock()
         self._cursor = "0"
@@ -104,23 +115,32 @@ class WeightSender:
             tensors = read_state(directory)
         plan = bucket_plan(shapes, self.bucket_bytes)
         with self._lock:
-            self._offer = Offer(version, tensors, plan)
+            self._offers.pop(version, None)
+            self._offers[version] = Offer(version, tensors, plan)
+            while len(self._offers) > self.keep:
+                del self._offers[next(iter(self._offers))]
         return plan
+
+    def held(self) -> list[int]:
+        """The versions held, oldest first."""
+        with self._lock:
+            return list(self._offers)
 
     def offered(self, version: int) -> bool:
         with self._lock:
-            return self._offer is not None and self._offer.version == version
+            return version in self._offers
 
     def plan(self, version: int) -> list[list[str]]:
         with self._lock:
-            return [list(b) for b in self._offer.plan] if self._offer is not None and \
-                self._offer.version == version else []
+            offer = self._offers.get(version)
+            return [list(b) for b in offer.plan] if offer is not None else []
 
     def published(self, version: int, entry_id: str) -> None:
         """``WeightsPublished`` of ``version`` went out as ``entry_id``: requests for it come after it."""
         with self._lock:
-            if self._offer is not None and self._offer.version == version:
-                self._offer.entry_id = entry_id
+            offer = self._offers.get(version)
+            if offer is not None:
+                offer.entry_id = entry_id
             if self._cursor == "0":
                 self._cursor = entry_id
 
@@ -133,7 +153,7 @@ class WeightSender:
     def pending(self) -> bool:
         """The newest offered version was published and no request for it has been handled yet."""
         with self._lock:
-            offer = self._offer
+            offer = self._offers[next(reversed(self._offers))] if self._offers else None
             return offer is not None and offer.entry_id != "" and offer.version not in self._answered
 
     def stop(self, timeout_s: float = 5.0, drain_s: float = 0.0) -> None:
@@ -188,10 +208,14 @@ class WeightSender:
     def _serve(self, request: WeightBroadcastRequested) -> bool:
         problem = self._request_problem(request)
         with self._lock:
-            offer = self._offer
-        if problem is None and (offer is None or offer.version != request.version):
-            problem = (f"v{request.version} is not the version held "
-                       f"({'none' if offer is None else f'v{offer.version}'}): the controller delivers it by disk")
+            offer = self._offers.get(request.version)
+            held = list(self._offers)
+            for version in held:  # the controller only moves forward: older versions are never asked again
+                if version < request.version:
+                    del self._offers[version]
+        if problem is None and offer is None:
+            problem = (f"v{request.version} is not among the versions held "
+                       f"({', '.join(f'v{v}' for v in held) or 'none'}): the controller delivers it by disk")
         if problem is not None:
             log.warning("weight sender of %s: not sending (%s)", self.policy, problem)
             self.failures.append(problem)

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--bucket-mb", type=float, default=64.0, help="broadcast: tensors per bucket, by size")
     t.add_argument("--group-timeout-s", type=float, default=60.0,
                    help="broadcast: how long a group may take to form, or a rank in a broadcast")
+    t.add_argument("--group-keep", type=int, default=3,
+                   help="broadcast: the newest versions held in memory for the controller's requests")
     t.add_argument("--n-groups", type=int, default=16)
     t.add_argument("--n-samples", type=int, default=8, help="samples per prompt group")
     t.add_argument("--over-sample-groups", type=int, default=None, metavar="N",
@@ -175,7 +177,8 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
         publish=PublishConfig(weights_root=ns.weights_root, wait_serving=ns.wait_serving,
                               serving_timeout_s=ns.serving_timeout_s, keep_versions=ns.keep_versions,
                               weight_sync=ns.weight_sync, group_host=ns.group_host, group_port=ns.group_port,
-                              bucket_mb=ns.bucket_mb, group_timeout_s=ns.group_timeout_s),
+                              bucket_mb=ns.bucket_mb, group_timeout_s=ns.group_timeout_s,
+                              group_keep=ns.group_keep),
         optim=OptimConfig(lr=ns.lr, epochs=ns.epochs, minibatches=ns.minibatches),
         loss=LossSettings(tis_cap=ns.tis_cap, ppo_clip=ns.ppo_clip if ns.ppo_clip > 0 else None,
                           entropy_coef=ns.entropy_coef, off_policy=ns.off_policy),

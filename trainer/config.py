@@ -107,6 +107,8 @@ class PublishConfig:
     """broadcast: tensors per ``/update_weights_from_distributed`` call, by size."""
     group_timeout_s: float = 60.0
     """broadcast: how long the sender waits for a group to form, or for a rank in a broadcast."""
+    group_keep: int = 3
+    """broadcast: versions the sender holds in memory for the controller's requests (the newest ones)."""
 
 
 @dataclass
@@ -285,8 +287,9 @@ class TrainerConfig:
         if p.weight_sync == "broadcast" and self.schedule.colocate:
             problems.append("publish.weight_sync broadcast does not go with schedule.colocate: released weights are "
                             "read back from their files, which weights received by collective do not update")
-        if p.bucket_mb <= 0 or p.group_timeout_s <= 0 or not 0 <= p.group_port < 65536:
-            problems.append("publish: bucket_mb and group_timeout_s must be > 0, group_port a port (0: any free one)")
+        if p.bucket_mb <= 0 or p.group_timeout_s <= 0 or not 0 <= p.group_port < 65536 or p.group_keep < 1:
+            problems.append("publish: bucket_mb and group_timeout_s must be > 0, group_keep >= 1, group_port a port "
+                            "(0: any free one)")
         if self.optim.lr <= 0 or self.optim.epochs < 1 or self.optim.minibatches < 1:
             problems.append("optim: lr must be > 0, epochs and minibatches >= 1")
         problems += self.loss.problems()

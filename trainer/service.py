@@ -196,7 +196,8 @@ class Trainer:
         if p.weight_sync != "broadcast" or (self.learner is not None and getattr(self.learner, "is_lora", False)):
             return None
         sender = WeightSender(self.redis, self.keys, self.config.policy, host=p.group_host, port=p.group_port,
-                              bucket_bytes=int(p.bucket_mb * (1 << 20)), timeout_s=p.group_timeout_s)
+                              bucket_bytes=int(p.bucket_mb * (1 << 20)), timeout_s=p.group_timeout_s,
+                              keep=p.group_keep)
         sender.start()
         log.info("offering weights by collective: rendezvous store at %s", sender.address)
         return sender
