@@ -7,7 +7,8 @@ The executor publishes the result as ``EvalCompleted`` on the eval stream (accur
 Wilson interval, per-problem counts); ``EvalTracker`` submits the requests, follows that stream
 without blocking the run, and hands each result to the run's summary and to ``EvalLog``:
 
-- ``<log dir>/<run>-eval.jsonl``: one line per eval (phase, step, weight versions, metrics);
+- ``<log dir>/<run>-eval.jsonl``: one line per eval (phase, step, weight versions, metrics, and the per-problem
+  ``[index, correct, samples]`` rows, so two runs' evals of the same problems can be compared pairwise);
 - TensorBoard (``--log-to tensorboard``): ``<log dir>/tensorboard/<run>/eval/``, the ``eval/*`` scalars at the
   training step each eval followed (0 before training), shown as the run's ``eval`` sub-run;
 - W&B (``--log-to wandb``): a run ``<run>-eval`` in the run's group.
@@ -202,7 +203,8 @@ class EvalLog:
 
         e = point.event
         assert e is not None
-        line = {"run": self.run, "policy": self.policy, "split": e.split, **point.to_dict(), "time": time.time()}
+        line = {"run": self.run, "policy": self.policy, "split": e.split, **point.to_dict(), "time": time.time(),
+                "problems": [list(row) for row in e.problems]}
         self._file.write(json.dumps(_finite(line), allow_nan=False) + "\n")
         self._file.flush()
         scalars = {f"eval/{k}": float(e.metrics[k]) for k in EVAL_SCALARS if k in e.metrics}

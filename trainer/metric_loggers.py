@@ -97,9 +97,10 @@ class StepRecord:
 
 
 OPTIONAL_SCALARS: dict[str, str] = {"answers/correct_frac": "correct_frac", "answers/formatted_frac": "formatted_frac",
-                                    "rollout/groups_filtered": "groups_filtered"}
-"""Logged when the batch's reward judges answers (the executors' counts, e.g. ``tasks.math_reward``), and when
-the executors' dynamic filter ran: the prompt groups it left out of the batch (all rewards equal)."""
+                                    "rollout/groups_filtered": "groups_filtered", "time/checkpoint_s": "checkpoint_s"}
+"""Logged when the batch's reward judges answers (the executors' counts, e.g. ``tasks.math_reward``), when
+the executors' dynamic filter ran: the prompt groups it left out of the batch (all rewards equal), and when the
+trainer checkpoints: the seconds its checkpoint (model, optimiser, state) took after the step."""
 
 NEEDED_METRICS: tuple[str, ...] = (*_FROM_METRICS.values(), *(k for ks in _MS_FROM_METRICS.values() for k in ks))
 """The keys of the trainer's metrics dict a ``StepRecord`` is made of."""

@@ -474,6 +474,8 @@ class Trainer:
             self.store.save(state, self.model, learner.optimizer, model_state=None if isinstance(learner, Learner)
                             else _trainable_state(self.model), before_replace=client.lease.verify)
         metrics["save_ms"] = (time.perf_counter() - t1) * 1000
+        if self.store is not None:
+            metrics["checkpoint_s"] = (metrics["save_ms"] - metrics["weights_save_ms"]) / 1000
         for after in self.after_checkpoint:
             after(state)
         if skipped:

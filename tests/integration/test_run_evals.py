@@ -67,6 +67,7 @@ def test_a_run_with_eval_every_2_evaluates_during_training_and_sums_up_with_inte
     lines = jsonl_steps(Path(logs["eval-jsonl"]))
     assert [(line["phase"], line["step"]) for line in lines] == [("before", 0), ("during", 2), ("during", 4),
                                                                  ("after", STEPS)]
+    assert all(len(line["problems"]) == PROBLEMS for line in lines)  # per problem, for paired comparisons
     tb = tensorboard_run(Path(logs["eval-tensorboard"]))
     assert [e.step for e in tb.Scalars("eval/accuracy")] == [0, 2, 4, STEPS]
     assert [e.step for e in tensorboard_run(Path(logs["tensorboard"])).Scalars("reward/mean")] == \

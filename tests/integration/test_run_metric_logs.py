@@ -51,7 +51,7 @@ def test_the_run_passes_log_to_through_and_its_summary_names_every_output(
     lines = jsonl_steps(Path(named["jsonl"]))
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
     for line in lines:
-        assert set(line["metrics"]) == set(STEP_SCALARS)
+        assert set(line["metrics"]) == {*STEP_SCALARS, "time/checkpoint_s"}  # the run checkpoints
         assert all(math.isfinite(v) for v in line["metrics"].values()), line
         assert sum(line["staleness_hist"].values()) == line["metrics"]["batch/samples"] > 0
     assert [line["staleness_hist"] for line in lines[1:]] == [{"1": 16}] * (STEPS - 1)  # one step ahead
