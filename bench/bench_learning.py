@@ -20,7 +20,33 @@ redis-server goes with the engines.
 Printed per mode, medians over seeds with the range: the time to train every step, the final
 held-out accuracy, and the time each mode first reached the final accuracy of sync *with the same
 seed* (seeds share their eval problems and the initial weights, so the comparison is paired).
-``--png`` draws accuracy against time, one line per mode and seed, with the intervals.
+
+Accuracy at equal samples, paired: each mode's final eval against sync's final eval of the same seed,
+problem by problem (the eval log's ``[index, correct, samples]`` rows), as the mean difference with a
+95% paired-bootstrap interval (``tasks.stats.paired_difference``), per seed and pooled over the seeds
+(every seed's problems together). ``--eval-groups`` sets the problems per eval: the pooled interval's
+half-width is printed, to show whether the comparison can tell the modes apart at +-5 points.
+
+Where the trainer's time goes, per mode (medians over seeds, as shares of the training time): its
+updates (``time/update_s``), waiting for batches (``time/batch_wait_s``), writing and announcing
+weights (``time/weight_publish_s``), waiting until the engines serve them (``time/serving_wait_s``) and
+checkpointing (``time/checkpoint_s``).
+The rest (``other``) is the trainer's own bookkeeping between those: taking and decoding the batch, the
+staleness split, requests for the next rollouts. A trainer that mostly waits for batches has little
+for an overlapping mode to hide.
+
+Exact evaluation (``--exact``, the default for the tiny LM, whose task allows it: ``tasks.exact``): every
+run keeps each weight version it trains, and after it the bench scores the initial weights and the
+version of every ``--eval-every``-th step on the whole task (the 100 one-digit sums), as the exact
+probability that a sample at the rollouts' temperature is right. No eval runs on the engines during
+training (the run's own evals are only the small ones before and after, which mark where training
+starts), so no mode's timing carries eval work, and the accuracies carry no sampling noise: two modes
+of one seed differ only by their training. The paired comparison is then exact per seed, and pooled
+over seeds as the mean of the per-seed differences with a t interval (seed-to-seed variation is all
+the uncertainty left).
+
+``--png`` (default ``learning.png`` when seeds are run) draws accuracy against time, one line per mode
+and seed, with the intervals.
 
     python bench/bench_learning.py [--model smollm2] [--seeds 0,1,2] [--steps 12] [--eval-every 3] [--png FILE]
         [--placement shared|disaggregated] [--off-policy tis|mis|decoupled]
@@ -49,8 +75,13 @@ from rollout_bus.events.embedded import private_redis  # noqa: E402
 from rollout_bus.launch.config import MODEL_DEFAULTS, OFF_POLICIES, PLACEMENTS, RunConfig  # noqa: E402
 from rollout_bus.launch.job import run_job  # noqa: E402
 from rollout_bus.launch.placement import PlacementError, pin_process, plan  # noqa: E402
+from rollout_bus.lm.files import version_dir  # noqa: E402
+from rollout_bus.tasks.stats import Interval, counts_of, paired_difference  # noqa: E402
 
 MODES = ("sync", "one-step", "async")
+TRAINER_TIMES = {"update": "time/update_s", "batch wait": "time/batch_wait_s", "publish": "time/weight_publish_s",
+                 "serving wait": "time/serving_wait_s", "checkpoint": "time/checkpoint_s"}
+"""Where the trainer's time goes: the step log's ``time/*`` scalars, summed over the run."""
 
 
 @dataclass
@@ -77,6 +108,12 @@ class Curve:
     off_policy: str = "tis"
     cpus: dict[str, list[int]] = field(default_factory=dict)
     """The CPUs each side's processes got (``summary.json``'s ``placement.observed``)."""
+    final_problems: list[list[int]] = field(default_factory=list)
+    """The final eval's ``[index, correct, samples]`` rows (empty in files from before they were logged)."""
+    trainer_s: dict[str, float] = field(default_factory=dict)
+    """Seconds the trainer spent per ``TRAINER_TIMES`` part, summed over its steps."""
+    final_exact: list[float] = field(default_factory=list)
+    """With ``--exact``: the final weights' probability of a right answer, per problem of the whole task."""
 
     @property
     def final(self) -> float:
@@ -108,13 +145,100 @@ def read_curve(out: Path, mode: str, seed: int, wall_s: float) -> Curve:
         at = 0.0 if e["step"] == 0 else step_time.get(int(e["step"]), float("nan")) - t0
         curve.points.append(Point(int(e["step"]), at, float(m["accuracy"]), float(m["accuracy_lo"]),
                                   float(m["accuracy_hi"])))
+        if e["phase"] == "after":
+            curve.final_problems = [list(map(int, row)) for row in e.get("problems") or []]
+    curve.trainer_s = {part: float(sum(s["metrics"].get(key, 0.0) for s in steps))
+                       for part, key in TRAINER_TIMES.items()}
     return curve
+
+
+def exact_points(out: Path, curve: Curve, steps: list[int], *, digits: int, temperature: float,
+                 policy: str = "p0") -> None:
+    """Replace ``curve``'s points by exact evaluations (``tasks.exact``) of the initial weights and the versions
+    of ``steps``, each placed when its trainer step finished; the last one's per-problem values are kept."""
+    from rollout_bus.lm.model import load_model
+    from rollout_bus.tasks.exact import exact_accuracy
+
+    metrics = out / "metrics"
+    logged = [json.loads(line) for f in sorted(metrics.glob("*.jsonl")) if not f.name.endswith("-eval.jsonl")
+              for line in f.read_text().splitlines()]
+    evals = [json.loads(line) for f in sorted(metrics.glob("*-eval.jsonl")) for line in f.read_text().splitlines()]
+    t0 = next(e["time"] for e in evals if e["phase"] == "before")
+    step_time = {int(s["step"]): float(s["time"]) - t0 for s in logged}
+    step_version = {int(s["step"]): int(s["weight_version"]) for s in logged}  # a step with no signal makes none
+    inits = sorted((out / "init").glob("warm-*"))
+    points: list[Point] = []
+    for step in [0, *steps]:
+        version = step_version.get(step, 0)
+        directory = inits[0] if version == 0 and inits else version_dir(out / "weights", policy, version)
+        values = exact_accuracy(load_model(directory), digits=digits, temperature=temperature)
+        accuracy = sum(values) / len(values)
+        points.append(Point(step, 0.0 if step == 0 else step_time[step], accuracy, accuracy, accuracy))
+        curve.final_exact = values
+    curve.points = points
+
+
+def exact_against_sync(curves: list[Curve], mode: str) -> tuple[dict[int, Interval], Interval]:
+    """``mode``'s exact final accuracy minus sync's per seed (exact: no interval), and their mean over the seeds
+    with a 95% t interval."""
+    sync = {c.seed: c for c in curves if c.mode == "sync" and c.final_exact}
+    per_seed: dict[int, Interval] = {}
+    for c in curves:
+        if c.mode == mode and c.final_exact and c.seed in sync and len(c.final_exact) == len(sync[c.seed].final_exact):
+            diff = statistics.fmean(a - b for a, b in zip(c.final_exact, sync[c.seed].final_exact, strict=True))
+            per_seed[c.seed] = Interval(diff, diff, diff, len(c.final_exact))
+    diffs = [d.value for d in per_seed.values()]
+    if not diffs:
+        return per_seed, Interval(float("nan"), float("nan"), float("nan"), 0)
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return per_seed, Interval(mean, float("nan"), float("nan"), 1)
+    half = T975[min(len(diffs) - 1, len(T975) - 1)] * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return per_seed, Interval(mean, mean - half, mean + half, len(diffs))
+
+
+T975 = [float("nan"), 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086]
+"""Student's t, two-sided 95%, by degrees of freedom (the last for 20 and more: slightly wide beyond)."""
+
+
+def paired_final(curve: Curve, sync: Curve, *, key_offset: int = 0) -> dict[int, tuple[tuple[int, int],
+                                                                                     tuple[int, int]]]:
+    """The problems both final evals scored: key -> (sync's (correct, samples), ``curve``'s)."""
+    mine, base = counts_of(curve.final_problems), counts_of(sync.final_problems)
+    return {key_offset + i: (base[i], mine[i]) for i in sorted(set(mine) & set(base))}
+
+
+def paired_against_sync(curves: list[Curve], mode: str) -> tuple[dict[int, Interval], Interval]:
+    """``mode``'s final accuracy minus sync's, paired by problem: per seed, and pooled over the seeds."""
+    sync = {c.seed: c for c in curves if c.mode == "sync"}
+    per_seed: dict[int, Interval] = {}
+    pooled: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}
+    for c in curves:
+        if c.mode != mode or c.seed not in sync:
+            continue
+        pairs = paired_final(c, sync[c.seed])
+        if not pairs:
+            continue
+        per_seed[c.seed] = paired_difference({k: b for k, (b, _) in pairs.items()},
+                                             {k: m for k, (_, m) in pairs.items()})
+        pooled.update(paired_final(c, sync[c.seed], key_offset=(c.seed + 1) * 10_000_000))
+    together = paired_difference({k: b for k, (b, _) in pooled.items()}, {k: m for k, (_, m) in pooled.items()})
+    return per_seed, together
+
+
+def signed(interval: Interval) -> str:
+    if interval.n == 0:
+        return "-"
+    return f"{interval.value:+.3f} [{interval.lo:+.3f}, {interval.hi:+.3f}] on {interval.n}"
 
 
 def save_curves(curves: list[Curve], path: Path) -> None:
     path.write_text(json.dumps([{"mode": c.mode, "seed": c.seed, "wall_s": c.wall_s, "train_s": c.train_s,
                                  "samples": c.samples, "placement": c.placement, "off_policy": c.off_policy,
-                                 "cpus": c.cpus, "points": [vars(p) for p in c.points]}
+                                 "cpus": c.cpus, "points": [vars(p) for p in c.points],
+                                 "final_problems": c.final_problems, "trainer_s": c.trainer_s,
+                                 "final_exact": c.final_exact}
                                 for c in curves], indent=1))
 
 
@@ -122,7 +246,11 @@ def load_curves(path: Path) -> list[Curve]:
     """Curves written by ``--json`` (a file from before ``--placement`` and ``--off-policy``: shared, tis)."""
     return [Curve(str(d["mode"]), int(d["seed"]), float(d["wall_s"]), float(d["train_s"]),
                   [Point(**p) for p in d["points"]], int(d["samples"]), str(d.get("placement", "shared")),
-                  str(d.get("off_policy", "tis")), dict(d.get("cpus") or {})) for d in json.loads(path.read_text())]
+                  str(d.get("off_policy", "tis")), dict(d.get("cpus") or {}),
+                  [list(map(int, r)) for r in d.get("final_problems") or []],
+                  {str(k): float(v) for k, v in (d.get("trainer_s") or {}).items()},
+                  [float(v) for v in d.get("final_exact") or []])
+            for d in json.loads(path.read_text())]
 
 
 def settings_of(curves: list[Curve]) -> tuple[str, str]:
@@ -177,13 +305,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--eval-groups", type=int, default=None, help="held-out problems per eval (default: the job's)")
     p.add_argument("--n-groups", type=int, default=None)
     p.add_argument("--n-samples", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="the trainer's learning rate (default: the job's)")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="score the whole task exactly from the saved versions (default: on for the tiny LM)")
     p.add_argument("--placement", choices=PLACEMENTS, default="shared",
                    help="rollout-bus run's --placement for every run (disaggregated: engines and trainer on "
                         "disjoint CPUs)")
     p.add_argument("--engine-cpus", default=None, metavar="LIST", help="disaggregated: the engines' side's CPUs")
     p.add_argument("--trainer-cpus", default=None, metavar="LIST", help="disaggregated: the trainer's CPUs")
     p.add_argument("--off-policy", choices=OFF_POLICIES, default="tis", help="the trainer's off-policy correction")
-    p.add_argument("--png", type=Path, default=None, help="draw accuracy against time here")
+    p.add_argument("--png", type=Path, default=None,
+                   help="draw accuracy against time here (default: learning.png when seeds are run)")
     p.add_argument("--json", type=Path, default=None,
                    help="write every curve here, the --with ones too (rewritten after each run, so a stopped "
                         "bench keeps its runs)")
@@ -198,11 +330,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--seeds is empty and no --with file gives curves: nothing to run or summarise")
     # the main job's settings (``rollout-bus run``'s, with ``--model`` its HF-model defaults), the same for every mode
     settings: dict[str, Any] = dict(MODEL_DEFAULTS) if ns.model else {}
-    for name in ("steps", "eval_groups", "n_groups", "n_samples"):
+    for name in ("steps", "eval_groups", "n_groups", "n_samples", "lr"):
         if getattr(ns, name) is not None:
             settings[name] = getattr(ns, name)
     steps = int(settings.setdefault("steps", RunConfig().steps))
     eval_every = ns.eval_every or max(1, steps // 4)
+    exact = ns.model is None if ns.exact is None else ns.exact
+    if exact and ns.model is not None:
+        raise SystemExit("--exact needs the tiny LM's task (one-digit sums); a HF model is evaluated by sampling")
+    exact_steps = [*range(eval_every, steps, eval_every), steps]
+    run_settings = dict(settings)
+    if exact:  # only the small evals before and after on the engines; every version kept for the exact ones
+        run_settings.setdefault("eval_groups", 16)
     try:
         placement = plan(ns.placement, engine_cpus=ns.engine_cpus, trainer_cpus=ns.trainer_cpus, gpus=())
     except PlacementError as exc:
@@ -228,14 +367,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 order = modes[i % len(modes):] + modes[:i % len(modes)]
                 for mode in order:
                     out = Path(tmp) / f"{mode}-{seed}"
-                    config = RunConfig(mode=mode, seed=seed, model=ns.model, eval_every=eval_every,
+                    config = RunConfig(mode=mode, seed=seed, model=ns.model, eval_every=0 if exact else eval_every,
                                        out=str(out), redis_url=server.url,
                                        namespace=f"learn-{mode}-{seed}-{int(time.time())}",
                                        progress=False, plot=False, placement=ns.placement,
                                        engine_cpus=ns.engine_cpus, trainer_cpus=ns.trainer_cpus,
-                                       off_policy=ns.off_policy, **settings)
+                                       off_policy=ns.off_policy,
+                                       trainer_args=["--keep-versions", "0"] if exact else [], **run_settings)
                     result = run_job(config)
                     curve = read_curve(out, mode, seed, result.wall_s)
+                    if exact:
+                        exact_points(out, curve, exact_steps, digits=config.digits, temperature=config.temperature)
                     curve.placement, curve.off_policy = ns.placement, ns.off_policy
                     placed = json.loads((out / "summary.json").read_text()).get("placement") or {}
                     curve.cpus = placed.get("observed") or {}
@@ -273,15 +415,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{mode:>8}  {med_range([c.train_s for c in mine], '{:.1f}'):>22}  "
               f"{med_range([c.final for c in mine]):>22}  {med_range(got, '{:.1f}'):>22}  "
               f"{len(got)}/{len(mine):<5}  {med_range(ratios, '{:.2f}'):>18}")
-        summary[mode] = {"train_s": [c.train_s for c in mine], "final": [c.final for c in mine], "reach_s": reach}
+        summary[mode] = {"train_s": [c.train_s for c in mine], "final": [c.final for c in mine], "reach_s": reach,
+                         "x_sync": ratios}
+    print()
+    print("where the trainer's time goes, share of the training time (median over seeds):")
+    for mode in modes:
+        mine = [c for c in curves if c.mode == mode and c.trainer_s and c.train_s > 0]
+        if mine:
+            shares = {part: statistics.median(c.trainer_s.get(part, 0.0) / c.train_s for c in mine)
+                      for part in TRAINER_TIMES}
+            shares["other"] = statistics.median(1 - sum(c.trainer_s.values()) / c.train_s for c in mine)
+            print(f"{mode:>8}  " + "  ".join(f"{part} {share:.2f}" for part, share in shares.items()))
+            summary[mode]["trainer_share"] = shares
+    print()
+    exactly = any(c.final_exact for c in curves)
+    print("final accuracy at equal samples minus sync's, " + (
+        "exact per seed (the whole task); over the seeds, their mean with a 95% t interval:" if exactly else
+        "paired by problem (95% paired bootstrap):"))
+    for mode in modes:
+        if mode == "sync":
+            continue
+        per_seed, pooled = exact_against_sync(curves, mode) if exactly else paired_against_sync(curves, mode)
+        if not per_seed:
+            print(f"{mode:>8}  no per-problem rows (curves from before they were logged)")
+            continue
+        half = (pooled.hi - pooled.lo) / 2
+        seeds_text = "; ".join(f"seed {seed} {d.value:+.3f}" if exactly else f"seed {seed} {signed(d)}"
+                               for seed, d in sorted(per_seed.items()))
+        together = (f"mean over {pooled.n} seeds {pooled.value:+.3f} [{pooled.lo:+.3f}, {pooled.hi:+.3f}]" if exactly
+                    else f"pooled {signed(pooled)}")
+        print(f"{mode:>8}  {seeds_text}; {together} (half-width {half:.3f})")
+        summary[mode]["paired_vs_sync"] = {"per_seed": {s: vars(d) for s, d in per_seed.items()},
+                                           "pooled": vars(pooled)}
     load_after = os.getloadavg()
     print(f"load average {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} after")
-    if ns.png is not None:
+    png = ns.png if ns.png is not None or not seeds else Path("learning.png")
+    if png is not None:
         seed_list = ",".join(map(str, all_seeds))
         when = f"load {load_before[0]:.2f} before" if seeds else "curves of earlier runs"
-        draw(curves, ns.png, f"{ns.model or 'tiny LM'}: {steps} steps x equal samples, seeds {seed_list}; "
+        draw(curves, png, f"{ns.model or 'tiny LM'}: {steps} steps x equal samples, seeds {seed_list}; "
                              f"{kind[0]}, {kind[1]}; {when}")
-        print(f"plot: {ns.png}")
+        print(f"plot: {png}")
     return summary
 
 
