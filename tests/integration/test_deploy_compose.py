@@ -270,3 +270,32 @@ def test_every_command_compose_runs_exists_and_knows_its_flags(name: str) -> Non
     help_text = done.stdout
     for flag in (a.split("=", 1)[0] for a in args[2:] if a.startswith("--")):
         assert re.search(rf"(^|[\s\[,]){re.escape(flag)}\b", help_text), f"{name}: {flag} unknown to {args[1]}"
+
+
+PLACEMENT = {"ENGINE_CPUS": "0-7", "TRAINER_CPUS": "8-15", "ENGINE_THREADS": "4", "TRAINER_THREADS": "8"}
+
+
+def disaggregated(env: dict[str, str]) -> dict[str, Any]:
+    return resolved(yaml.safe_load((ROOT / "deploy" / "compose.disaggregated.yaml").read_text()), env)
+
+
+def test_the_disaggregated_override_pins_each_side_and_adds_only_the_thread_flags_to_the_commands() -> None:
+    env = {**SECRETS, **PLACEMENT}
+    base, override = compose(env)["services"], disaggregated(env)["services"]
+    assert set(override) <= set(base)
+    engines_side = {"redis", "controller", "executor"}
+    assert {n for n, s in override.items() if s.get("cpuset") == "0-7"} == engines_side
+    assert override["trainer"]["cpuset"] == "8-15"
+    # the commands are compose.yaml's, each with its side's torch threads: nothing else may drift
+    assert command(override["controller"]) == [*command(base["controller"]), "--engine-arg=--torch-threads",
+                                               "--engine-arg=4"]
+    assert command(override["trainer"]) == [*command(base["trainer"]), "--torch-threads", "8"]
+    for name in ("controller", "trainer"):
+        args = entrypoint(command(override[name]))
+        done = subprocess.run([*args, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={k: v for k, v in os.environ.items() if k not in ("REDIS_URL",)})
+        assert done.returncode == 0, done.stderr
+        assert ("--engine-arg" if name == "controller" else "--torch-threads") in done.stdout, name
+    for missing in PLACEMENT:  # each setting is required: no side silently left on every CPU
+        with pytest.raises(MissingVariable, match=missing):
+            disaggregated({**SECRETS, **{k: v for k, v in PLACEMENT.items() if k != missing}})
