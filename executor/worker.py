@@ -30,6 +30,7 @@ a minute, and looks for abandoned jobs only every ten minutes. Here:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -147,6 +148,10 @@ class ReliableQueue(Queue):
                 connection.lrem(taken_key(queue.key, taker), 1, as_str(job_id))  # a job id without a job
 
 
+PUBSUB_STOP_S = 1.0
+"""How long a stopping worker waits for its pubsub thread (rq's own wait after asking it to stop)."""
+
+
 class ExecutorWorker(SimpleWorker):
     """A ``SimpleWorker`` with short, refreshed execution heartbeats and a hook around each job."""
 
@@ -166,6 +171,23 @@ class ExecutorWorker(SimpleWorker):
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return self.heartbeat_ttl_s
+
+    def unsubscribe(self) -> None:
+        """rq's, with the wait for the pubsub thread bounded. rq runs that thread with a 60 s sleep and
+        unsubscribes before it stops it; a thread that loops once more after the unsubscribe waits, unsubscribed,
+        up to those 60 s for a subscription that never comes, and redis-py's ``stop`` (5.3+) joins it with no
+        limit, so a worker told to stop sat there until its supervisor's SIGKILL. The thread is a daemon: the
+        process exits without it."""
+        thread = self.pubsub_thread
+        if thread is None or self.pubsub is None:
+            return
+        self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub.unsubscribe()
+        if "timeout" in inspect.signature(thread.stop).parameters:
+            thread.stop(timeout=PUBSUB_STOP_S)
+        else:  # redis-py before 5.3: stop() only asks
+            thread.stop()
+        thread.join(timeout=PUBSUB_STOP_S)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         # The worker key lives only a little longer than the longest gap between beats (a blocked dequeue), not
