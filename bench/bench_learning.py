@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--engine-cpus", default=None, metavar="LIST", help="disaggregated: the engines' side's CPUs")
     p.add_argument("--trainer-cpus", default=None, metavar="LIST", help="disaggregated: the trainer's CPUs")
     p.add_argument("--off-policy", choices=OFF_POLICIES, default="tis", help="the trainer's off-policy correction")
+    p.add_argument("--weight-sync", choices=("disk", "broadcast"), default="disk",
+                   help="how full weights reach the engines (rollout-bus run's --weight-sync)")
     p.add_argument("--png", type=Path, default=None,
                    help="draw accuracy against time here (default: learning.png when seeds are run)")
     p.add_argument("--json", type=Path, default=None,
@@ -348,7 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(str(exc)) from None
     load_before = os.getloadavg()
     print(f"modes {', '.join(modes)}; seeds {seeds}; {steps} steps, eval every {eval_every}; model "
-          f"{ns.model or 'tiny LM'}; placement {ns.placement}, off-policy {ns.off_policy}; {os.cpu_count()} CPUs, "
+          f"{ns.model or 'tiny LM'}; placement {ns.placement}, off-policy {ns.off_policy}, weights by {ns.weight_sync}; "
+          f"{os.cpu_count()} CPUs, "
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} before", flush=True)
     curves: list[Curve] = []
     for earlier in ns.with_json:
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        namespace=f"learn-{mode}-{seed}-{int(time.time())}",
                                        progress=False, plot=False, placement=ns.placement,
                                        engine_cpus=ns.engine_cpus, trainer_cpus=ns.trainer_cpus,
-                                       off_policy=ns.off_policy,
+                                       off_policy=ns.off_policy, weight_sync=ns.weight_sync,
                                        trainer_args=["--keep-versions", "0"] if exact else [], **run_settings)
                     result = run_job(config)
                     curve = read_curve(out, mode, seed, result.wall_s)
