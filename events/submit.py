@@ -79,11 +79,7 @@ class RolloutSubmitter:
         none, the engines' versions too (a submit reads one small hash, not every engine record)."""
         if self.config.known_policies is not None:
             return set(self.config.known_policies)
-        if wanted is not None:
-            policies = set(self.registry.policies())
-            if wanted in policies:
-                return policies
-        return registry_policies(self.registry)
+        return known_policies(self.registry, wanted)
 
     def submit(self, request: RolloutRequest) -> Job:
         """Queue ``request`` (``InvalidRequest`` if it is not valid); a repeat returns the existing job."""
@@ -163,6 +159,17 @@ def wait_outcome(client: Redis, request_id: str, timeout_s: float, *, poll_s: fl
         if current.ended or time.monotonic() >= deadline:
             return current
         time.sleep(poll_s)
+
+
+def known_policies(registry: Registry, wanted: str | None = None) -> set[str]:
+    """Policies a request for ``wanted`` may name: the policy records, and only when ``wanted`` has none
+    (an adapter policy), every engine's versions too. The engine registry grows with the fleet and is read
+    for every request checked (submit and execution), so a policy with a record costs one small hash."""
+    if wanted is not None:
+        policies = set(registry.policies())
+        if wanted in policies:
+            return policies
+    return registry_policies(registry)
 
 
 def registry_policies(registry: Registry) -> set[str]:

@@ -33,7 +33,7 @@ from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import Registry
 from rollout_bus.events.rollouts import RolloutRequest
 from rollout_bus.events.schema import EvalCompleted, Producer, RolloutCompleted, RolloutStarted
-from rollout_bus.events.submit import queue_name, registry_policies
+from rollout_bus.events.submit import known_policies, queue_name
 from rollout_bus.executor import jobs
 from rollout_bus.executor.agents import AgentRunner
 from rollout_bus.executor.config import ExecutorConfig
@@ -184,7 +184,7 @@ class ExecutorService:
         job.meta.update(attempt=attempt, executor=self.name)
         try:
             request = RolloutRequest.from_json(request_json)
-            request.validate(registry_policies(parts.registry) if self.config.check_policy else None,
+            request.validate(known_policies(parts.registry, request.policy) if self.config.check_policy else None,
                              check_deadline=False, bounds=self.config.request_bounds)
             source = parts.plugins.data_source(request.data)
         except (InvalidRequest, Permanent):

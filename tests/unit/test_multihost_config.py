@@ -69,3 +69,23 @@ def test_a_submit_reads_the_policy_records_not_every_engine_record(fake_client: 
     submitter.registry.engines = lambda: reads.append(1) or engines()  # type: ignore[method-assign,func-returns-value]
     assert "p" in submitter.known_policies("p") and reads == []  # a policy record: no engine record read
     assert "adapter" in submitter.known_policies("adapter") and reads == [1]  # only on engines: read them
+
+
+def test_an_executor_checks_a_request_against_the_policy_records_not_every_engine_record(fake_client: object) -> None:
+    from rollout_bus.events.names import Keys
+    from rollout_bus.events.registry import EngineRecord, EngineState, PolicyRecord, Registry
+    from rollout_bus.events.submit import known_policies
+    from rollout_bus.executor import service
+
+    keys = Keys("execcost")
+    registry = Registry(fake_client, keys)  # type: ignore[arg-type]
+    registry.put_engine(EngineRecord(engine_id="e0", url="http://e0", state=EngineState.SERVING,
+                                     versions={"p": 0, "adapter": 1}, base_policy="p"))
+    registry.put_policy(PolicyRecord(policy="p", published=0, serving=0))
+    reads: list[int] = []
+    engines = registry.engines
+    registry.engines = lambda: reads.append(1) or engines()  # type: ignore[method-assign,func-returns-value]
+    assert service.known_policies is known_policies  # what ExecutorService.run_job checks a request with
+    assert known_policies(registry, "p") == {"p"} and reads == []
+    assert known_policies(registry, "adapter") == {"p", "adapter"} and reads == [1]
+    assert "ghost" not in known_policies(registry, "ghost") and reads == [1, 1]
