@@ -334,6 +334,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "disjoint CPUs)")
     p.add_argument("--engine-cpus", default=None, metavar="LIST", help="disaggregated: the engines' side's CPUs")
     p.add_argument("--trainer-cpus", default=None, metavar="LIST", help="disaggregated: the trainer's CPUs")
+    p.add_argument("--light-cpus", default=None, metavar="LIST",
+                   help="disaggregated: the executors' and redis' CPUs (default: with the engines)")
     p.add_argument("--off-policy", choices=OFF_POLICIES, default="tis", help="the trainer's off-policy correction")
     p.add_argument("--weight-sync", choices=("disk", "broadcast"), default="disk",
                    help="how full weights reach the engines (rollout-bus run's --weight-sync)")
@@ -366,7 +368,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if exact:  # only the small evals before and after on the engines; every version kept for the exact ones
         run_settings.setdefault("eval_groups", 16)
     try:
-        placement = plan(ns.placement, engine_cpus=ns.engine_cpus, trainer_cpus=ns.trainer_cpus, gpus=())
+        placement = plan(ns.placement, engine_cpus=ns.engine_cpus, trainer_cpus=ns.trainer_cpus, gpus=(),
+                         light_cpus=ns.light_cpus)
     except PlacementError as exc:
         raise SystemExit(str(exc)) from None
     load_before = os.getloadavg()
@@ -384,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             curves.append(c)
     server = private_redis() if seeds else None
     if server is not None and placement.disaggregated and getattr(server, "proc", None) is not None:
-        pin_process(server.proc.pid, placement.engine_cpus)  # type: ignore[union-attr]
+        pin_process(server.proc.pid, placement.cpus("redis-server") or placement.engine_cpus)  # type: ignore[union-attr]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
             for i, seed in enumerate(seeds):
@@ -396,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        namespace=f"learn-{mode}-{seed}-{int(time.time())}",
                                        progress=False, plot=False, placement=ns.placement,
                                        engine_cpus=ns.engine_cpus, trainer_cpus=ns.trainer_cpus,
+                                       light_cpus=ns.light_cpus,
                                        off_policy=ns.off_policy, weight_sync=ns.weight_sync,
                                        trainer_args=["--keep-versions", "0"] if exact else [], **run_settings)
                     result = run_job(config)

@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "command may use, rounded up; with --trainer-cpus only, the rest)")
     pl.add_argument("--trainer-cpus", default=None, metavar="LIST",
                     help="disaggregated: the trainers' CPUs (default: those the engines' side does not get)")
+    pl.add_argument("--light-cpus", default=None, metavar="LIST",
+                    help="disaggregated: the light roles' CPUs (executors, eval executor, recorder, exporter, the "
+                         "private redis-server); default: with the engines. May overlap either side: the bus's "
+                         "CPU work then leaves the engines' set, as it leaves the inference GPUs in a deployment")
     a = p.add_argument_group("agents (multi-turn episodes through the session gateway)")
     a.add_argument("--agent", default=None, choices=sorted(AGENTS),
                    help="play this multi-turn environment instead of the single-turn task (tiny LM or --model)")
@@ -258,7 +262,8 @@ def placement_problems(config: RunConfig) -> list[str]:
     from rollout_bus.launch.placement import PlacementError, plan
 
     try:
-        plan(config.placement, engine_cpus=config.engine_cpus, trainer_cpus=config.trainer_cpus, gpus=())
+        plan(config.placement, engine_cpus=config.engine_cpus, trainer_cpus=config.trainer_cpus, gpus=(),
+             light_cpus=config.light_cpus)
     except PlacementError as exc:
         return [str(exc)]
     return []

@@ -116,6 +116,9 @@ class RunConfig:
     leave)."""
     trainer_cpus: str | None = None
     """The trainers' CPUs; None: the launcher's CPUs the engines' side does not get."""
+    light_cpus: str | None = None
+    """The light roles' CPUs (executors, the eval executor, recorder, exporter, the private redis-server); None:
+    with the engines. May overlap either side (``launch.placement``)."""
     # --- supervision and records ----------------------------------------------------------------
     restart_budget: int = 5
     """Restarts each executor, trainer and the controller get over the run before it fails."""

@@ -55,7 +55,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     from rollout_bus.events.errors import InvalidRequest
     from rollout_bus.events.names import Keys
     from rollout_bus.events.publish import dedupe_ttl_from_env
-    from rollout_bus.launch.placement import ENGINES, PlacementError, PlacementRecord, pin_process, plan
+    from rollout_bus.launch.placement import PlacementError, PlacementRecord, pin_process, plan
     from rollout_bus.launch.procs import ProcessSet, RestartPolicy, signals_deferred
     from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards, run_faults
     from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
@@ -69,7 +69,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         raise RunFailed(f"bad environment: {exc}") from None
     try:
         placement = plan(config.placement, engine_cpus=config.engine_cpus, trainer_cpus=config.trainer_cpus,
-                         engines=_engine_count(config), trainers=config.trainers)
+                         engines=_engine_count(config), trainers=config.trainers, light_cpus=config.light_cpus)
     except PlacementError as exc:
         raise RunFailed(str(exc)) from None
     placed = PlacementRecord(placement)
@@ -89,9 +89,10 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         url = server.url
         redis_proc = getattr(server, "proc", None)  # a fakeredis fallback runs in this process
         if redis_proc is not None:
-            if placement.disaggregated:
-                pin_process(redis_proc.pid, placement.engine_cpus)
-            placed.observe("redis-server", redis_proc.pid, ENGINES)
+            redis_cpus = placement.cpus("redis-server")
+            if redis_cpus is not None:
+                pin_process(redis_proc.pid, redis_cpus)
+            placed.observe("redis-server", redis_proc.pid)
     url = redis_url(url)
     procs = ProcessSet(out / "logs", env={"ROLLOUT_BUS_NAMESPACE": namespace, "REDIS_URL": url}, place=place,
                        placement=placement)
@@ -121,7 +122,11 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
 
             hold_payloads(client, keys, policies)
             holding = True
-        if placement.disaggregated:
+        if placement.disaggregated and placement.light_cpus is not None:
+            print(f"placement disaggregated: engines and controller on CPUs {list(placement.engine_cpus)}, "
+                  f"executors and redis on CPUs {list(placement.light_cpus)}, trainers on CPUs "
+                  f"{list(placement.trainer_cpus)}", flush=True)
+        elif placement.disaggregated:
             print(f"placement disaggregated: engines, controller, executors and redis on CPUs "
                   f"{list(placement.engine_cpus)}, trainers on CPUs {list(placement.trainer_cpus)}"
                   + (f" (GPUs {placement.engine_gpus} / {placement.trainer_gpus})" if placement.trainer_gpus else ""),

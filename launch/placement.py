@@ -18,6 +18,12 @@ and training pools of a real deployment: the engines and the trainer get disjoin
 - **The split**: ``--engine-cpus`` and ``--trainer-cpus`` (``0-3,6``; one given, the other is the
   rest), else half and half of the CPUs the launcher may use, rounded toward the engines (2 CPUs:
   engines ``{0}``, trainer ``{1}``). A launcher on one CPU refuses ``disaggregated``.
+- **The light roles' own set**: ``--light-cpus`` moves the bus's CPU work off the engines' set: the
+  executors, the eval executor, a recorder, the exporter and the private redis-server (the ``light``
+  side) go there, the controller and its engines stay. In a real deployment that work runs on the
+  hosts' CPUs, not on the inference GPUs; on a CPU machine the engines' set stands in for those GPUs,
+  and the executors' tokenising, HTTP and payload work would otherwise compete with generation. It may
+  overlap either side (on 2 CPUs: ``--light-cpus 1``, beside the trainer).
 - **GPUs**, where there are any (``CUDA_VISIBLE_DEVICES``, else what torch counts): split the same
   way into disjoint ``CUDA_VISIBLE_DEVICES``; a single GPU goes to the trainer (the CPU engines need
   none).
@@ -38,7 +44,9 @@ from typing import Any, Literal, get_args
 
 PlacementMode = Literal["shared", "disaggregated"]
 PLACEMENTS: tuple[str, ...] = get_args(PlacementMode)
-ENGINES, TRAINER = "engines", "trainer"
+ENGINES, TRAINER, LIGHT = "engines", "trainer", "light"
+HEAVY_ENGINE_SIDE = ("controller", "engine")
+"""Name prefixes that stay on the engines' set when the light roles have a set of their own."""
 
 
 class PlacementError(ValueError):
@@ -76,22 +84,34 @@ class Placement:
     engine_threads: int = 1
     """Torch threads of each engine (its side's CPUs over the engines)."""
     trainer_threads: int = 1
+    light_cpus: tuple[int, ...] | None = None
+    """``--light-cpus``: the light roles' set (None: they go with the engines)."""
 
     @property
     def disaggregated(self) -> bool:
         return self.mode == "disaggregated"
 
+    def side(self, name: str) -> str:
+        """``side_of``, with the light roles apart when they have a set of their own."""
+        side = side_of(name)
+        if side == ENGINES and self.light_cpus is not None and not name.startswith(HEAVY_ENGINE_SIDE):
+            return LIGHT
+        return side
+
     def cpus(self, name: str) -> tuple[int, ...] | None:
         """The CPU set of process ``name``; None: where the launcher runs (shared)."""
         if not self.disaggregated:
             return None
-        return self.trainer_cpus if side_of(name) == TRAINER else self.engine_cpus
+        side = self.side(name)
+        if side == LIGHT and self.light_cpus is not None:
+            return self.light_cpus
+        return self.trainer_cpus if side == TRAINER else self.engine_cpus
 
     def env(self, name: str) -> dict[str, str]:
         """The environment process ``name`` gets on top of the run's (thread counts, GPUs)."""
         if not self.disaggregated:
             return {}
-        trainer = side_of(name) == TRAINER
+        trainer = self.side(name) == TRAINER
         out = {"OMP_NUM_THREADS": str(self.trainer_threads if trainer else self.engine_threads)}
         gpus = self.trainer_gpus if trainer else self.engine_gpus
         if gpus is not None:
@@ -102,7 +122,8 @@ class Placement:
         return {"mode": self.mode, "engine_cpus": list(self.engine_cpus), "trainer_cpus": list(self.trainer_cpus),
                 "engine_gpus": None if self.engine_gpus is None else list(self.engine_gpus),
                 "trainer_gpus": None if self.trainer_gpus is None else list(self.trainer_gpus),
-                "engine_threads": self.engine_threads, "trainer_threads": self.trainer_threads}
+                "engine_threads": self.engine_threads, "trainer_threads": self.trainer_threads,
+                "light_cpus": None if self.light_cpus is None else list(self.light_cpus)}
 
 
 def available_cpus() -> tuple[int, ...]:
@@ -130,13 +151,13 @@ def halves(items: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
 
 def plan(mode: str, *, engine_cpus: str | None = None, trainer_cpus: str | None = None, engines: int = 1,
          trainers: int = 1, available: Sequence[int] | None = None,
-         gpus: Sequence[str] | None = None) -> Placement:
+         gpus: Sequence[str] | None = None, light_cpus: str | None = None) -> Placement:
     """The run's placement; ``PlacementError`` when ``disaggregated`` cannot be made here."""
     if mode not in PLACEMENTS:
         raise PlacementError(f"placement {mode!r} is not one of {list(PLACEMENTS)}")
     if mode == "shared":
-        if engine_cpus is not None or trainer_cpus is not None:
-            raise PlacementError("--engine-cpus and --trainer-cpus need --placement disaggregated")
+        if engine_cpus is not None or trainer_cpus is not None or light_cpus is not None:
+            raise PlacementError("--engine-cpus, --trainer-cpus and --light-cpus need --placement disaggregated")
         return Placement()
     mine = tuple(sorted(available if available is not None else available_cpus()))
     if len(mine) < 2:
@@ -165,9 +186,10 @@ def plan(mode: str, *, engine_cpus: str | None = None, trainer_cpus: str | None 
         engine_gpus, trainer_gpus = (), seen
     elif seen:
         engine_gpus, trainer_gpus = halves(seen)
+    light = _cpus_arg("--light-cpus", light_cpus, mine)
     return Placement("disaggregated", eng, tr, engine_gpus, trainer_gpus,
                      engine_threads=max(1, len(eng) // max(1, engines)),
-                     trainer_threads=max(1, len(tr) // max(1, trainers)))
+                     trainer_threads=max(1, len(tr) // max(1, trainers)), light_cpus=light)
 
 
 def _cpus_arg(flag: str, spec: str | None, mine: Sequence[int]) -> tuple[int, ...] | None:
@@ -233,13 +255,13 @@ class PlacementRecord:
             return
         got = read_affinity(pid)
         if got is not None:
-            self.processes[name] = {**got, "side": side or side_of(name)}
+            self.processes[name] = {**got, "side": side or self.placement.side(name)}
 
     def sides(self) -> dict[str, list[int]]:
-        """The CPUs each side's processes got, together."""
+        """The CPUs each side's processes got, together (the light side only when it has a set of its own)."""
         out: dict[str, set[int]] = {ENGINES: set(), TRAINER: set()}
         for p in self.processes.values():
-            out[p["side"]].update(p["cpus"])
+            out.setdefault(p["side"], set()).update(p["cpus"])
         return {side: sorted(cpus) for side, cpus in out.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,5 +275,5 @@ class PlacementRecord:
         gpus = {side: sorted({g for p in self.processes.values() if p["side"] == side for g in (p["gpus"] or [])})
                 for side in sides}
         parts = [f"{side} on CPUs {sides[side]}" + (f", GPUs {gpus[side]}" if gpus[side] else "")
-                 + f" ({', '.join(names[side])})" for side in (ENGINES, TRAINER) if names[side]]
+                 + f" ({', '.join(names[side])})" for side in (ENGINES, LIGHT, TRAINER) if names.get(side)]
         return f"placement {self.placement.mode} (read back from the running processes): " + "; ".join(parts)

@@ -125,3 +125,40 @@ def test_a_disaggregated_run_with_weights_by_broadcast_sends_every_version_by_co
     trainer_log = (result.out / "logs" / "trainer-p0.log").read_text()
     sent = sorted({int(v) for v in re.findall(r"broadcast p0 v(\d+) in ", trainer_log)})
     assert steps in sent and len(sent) >= steps - 1, sent  # the last version too (v1 may open the group by disk)
+
+
+@pytest.mark.skipif(len(MINE) < 2, reason="disaggregated placement needs 2 CPUs")
+def test_light_roles_on_a_set_of_their_own_leave_the_engines_set_to_the_controller_and_engines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--light-cpus``: the executors and the run's redis-server run where they are told (here beside the
+    trainer), the controller and its engines keep the engines' set; the kernel says so while the run is up."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    engines_cpus, trainer_cpus = MINE[:1], MINE[1:]
+    light = MINE[-1:]
+    watchers: list[Watcher] = []
+
+    def on_start(handle: RunHandle) -> None:
+        watchers.append(Watcher(handle))
+        watchers[0].start()
+
+    config = RunConfig(mode="async", steps=3, seed=0, out=str(tmp_path / "out"), init_dir=str(shared_init_dir()),
+                       progress=False, plot=False, n_groups=4, n_samples=4, timeout_s=180.0, redis_aof=False,
+                       placement="disaggregated", engine_cpus=str(engines_cpus[0]),
+                       trainer_cpus=",".join(map(str, trainer_cpus)), light_cpus=str(light[0]))
+    try:
+        result = run_job(config, on_start=on_start)
+    finally:
+        for w in watchers:
+            w.stop.set()
+            w.join(5)
+    seen = watchers[0].seen
+    engines = [n for n in seen if n.startswith("engine")]
+    assert engines and "executor-0" in seen and "controller" in seen
+    for name, threads in seen.items():
+        want = set(light) if name.startswith("executor") else (
+            set(trainer_cpus) if name.startswith("trainer-") else set(engines_cpus))
+        assert all(cpus == want for cpus in threads.values()), (name, threads)
+    placed = json.loads((result.out / "summary.json").read_text())["placement"]
+    assert placed["light_cpus"] == light and placed["observed"]["light"] == light
+    assert placed["processes"]["redis-server"]["cpus"] == light and placed["processes"]["redis-server"]["side"] == "light"
+    assert placed["observed"]["engines"] == engines_cpus and placed["disjoint"] is True

@@ -13,6 +13,7 @@ import pytest
 
 from rollout_bus.launch.placement import (
     ENGINES,
+    LIGHT,
     TRAINER,
     Placement,
     PlacementError,
@@ -176,3 +177,30 @@ def test_rollout_bus_run_takes_the_placement_and_the_correction_and_passes_them_
     assert config_from_args(build_parser().parse_args([])).off_policy == "tis"
     with pytest.raises(SystemExit, match="need --placement disaggregated"):
         config_from_args(build_parser().parse_args(["--engine-cpus", "0"]))
+
+
+def test_the_light_roles_take_a_set_of_their_own_and_the_controller_and_engines_stay() -> None:
+    placed = plan("disaggregated", available=(0, 1, 2, 3), engine_cpus="0-1", trainer_cpus="2-3", light_cpus="3",
+                  gpus=())
+    assert placed.light_cpus == (3,) and placed.planned()["light_cpus"] == [3]
+    for name in ("executor-0", "executor-eval", "recorder", "redis-server", "bus-exporter"):
+        assert placed.side(name) == LIGHT and placed.cpus(name) == (3,), name
+    for name in ("controller", "engine-0-4242"):  # the engines are the controller's children: its set
+        assert placed.side(name) == ENGINES and placed.cpus(name) == (0, 1), name
+    assert placed.side("trainer-p0") == TRAINER and placed.cpus("trainer-p0") == (2, 3)
+    default = plan("disaggregated", available=(0, 1), gpus=())
+    assert default.light_cpus is None and default.side("executor-0") == ENGINES and default.cpus("executor-0") == (0,)
+    record = PlacementRecord(placed)
+    record.processes = {"controller": {"pid": 1, "cpus": [0, 1], "gpus": None, "side": ENGINES},
+                        "executor-0": {"pid": 2, "cpus": [3], "gpus": None, "side": LIGHT},
+                        "trainer-p0": {"pid": 3, "cpus": [2, 3], "gpus": None, "side": TRAINER}}
+    assert record.sides() == {ENGINES: [0, 1], TRAINER: [2, 3], LIGHT: [3]}
+    assert record.to_dict()["disjoint"] is True  # the engines against the trainer: the light set may overlap
+    assert "light on CPUs [3] (executor-0)" in record.text()
+
+
+def test_light_cpus_need_disaggregated_and_cpus_this_process_has() -> None:
+    with pytest.raises(PlacementError, match="--light-cpus need --placement disaggregated"):
+        plan("shared", light_cpus="1")
+    with pytest.raises(PlacementError, match="--light-cpus 7"):
+        plan("disaggregated", available=(0, 1), light_cpus="7", gpus=())
