@@ -122,8 +122,9 @@ class EngineRouter:
         updating), else any engine."""
         now = time.monotonic()
         serving = [r for r in records if r.serves(policy) and self._cooling.get(r.engine_id, 0.0) <= now]
-        if evaluating:  # the eval engines while any is registered for the policy (even mid-update), else any
-            own = any(r.evaluates and policy in r.versions for r in records)
+        if evaluating:  # the eval engines while any is registered for the policy (even mid-update or still
+            # launching: one of its base pool with no weights yet counts), else any
+            own = any(r.evaluates and (policy in r.versions or r.base_policy == policy) for r in records)
             serving = [r for r in serving if r.evaluates] if own else serving
         else:
             serving = [r for r in serving if not r.evaluates]

@@ -124,8 +124,11 @@ def test_versions_travel_by_collective_and_the_engines_report_the_directory_dige
         await ctl.start()
         try:
             await ctl.wait_serving(timeout_s=20)
-            senders.append(Sender(root, redis_server, keys, "1,2"))
+            gate = root / "gate"
+            gate.mkdir()
+            senders.append(Sender(root, redis_server, keys, "1,2", "--gate", str(gate)))
             for version in (1, 2):
+                (gate / f"go-v{version}").touch()  # v2 only after v1 was looked at: no engine has moved on yet
                 await wait_until_async(f"v{version} served", lambda v=version: served(redis_client, keys, v), 30)
                 expected = tensors_digest(version_dir(root, "default", version))
                 reports = await digests(engines)

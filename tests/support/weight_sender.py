@@ -5,7 +5,9 @@
 its offer by collective, and serves the controller's requests; it publishes the next version once the
 previous one was sent or given up on. ``--bucket-delay-s`` sleeps before each bucket after the first, so
 a test can act mid-broadcast; ``--hang-after N`` stops answering (sleeps) after bucket N of the first
-version, as a trainer that hangs. ``FILE`` holds JSON: the store's address, the buckets sent of the
+version, as a trainer that hangs. ``--gate DIR``: publish each version after the first only once the file
+``DIR/go-v<version>`` exists, so a test can look at the engines on one version before the next one comes.
+``FILE`` holds JSON: the store's address, the buckets sent of the
 current version, and the versions sent and failures so far (written after every change).
 """
 
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--bucket-delay-s", type=float, default=0.0)
     parser.add_argument("--hang-after", type=int, default=-1)
     parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--gate", default=None, help="publish version v (after the first) once DIR/go-v<v> exists")
     ns = parser.parse_args()
     client = connect(ns.redis)
     keys = Keys(ns.namespace)
@@ -74,7 +77,9 @@ def main() -> None:
     sender.write()
     sender.start()
     config = load_config(Path(ns.base))
-    for version in (int(v) for v in ns.versions.split(",")):
+    for i, version in enumerate(int(v) for v in ns.versions.split(",")):
+        while i and ns.gate is not None and not (Path(ns.gate) / f"go-v{version}").exists():
+            time.sleep(0.02)
         sender.current, sender.buckets_sent = version, 0
         done = len(sender.sent) + len(sender.failures)
         publisher.publish(build_model(config, seed=version), version)

@@ -124,6 +124,18 @@ def test_training_calls_never_take_an_eval_engine_and_eval_calls_prefer_one(rout
     assert EngineRecord.unpack(idle_eval.pack()).role == "eval"
 
 
+def test_an_eval_call_waits_for_an_eval_engine_of_its_pool_that_is_still_launching(router: EngineRouter) -> None:
+    """The eval before training came while the eval engine was still launching (no weights, no versions): the
+    call went to a training engine. It waits for the eval engine instead; another pool's eval engine does not
+    count."""
+    launching = record("eval-0", load=0)
+    launching.role, launching.state, launching.versions, launching.base_policy = "eval", EngineState.LAUNCHING, {}, "p"
+    busy = record("a", load=9)
+    assert router.choose([busy, launching], "p", set(), evaluating=True) is None
+    launching.base_policy = "other"
+    assert router.choose([busy, launching], "p", set(), evaluating=True).engine_id == "a"  # type: ignore[union-attr]
+
+
 def test_the_controller_registers_its_eval_engines_with_the_eval_role(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from rollout_bus.controller.config import ControllerConfig
 
