@@ -63,28 +63,33 @@ class Watcher(threading.Thread):
             client.close()
 
 
-@pytest.mark.skipif(len(MINE) < 2, reason="disaggregated placement needs 2 CPUs")
-def test_a_disaggregated_run_keeps_the_engines_and_the_trainer_on_disjoint_cpus(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("REDIS_URL", raising=False)  # the run's own redis-server, pinned with the engines
-    engines_cpus = MINE[:(len(MINE) + 1) // 2]
-    trainer_cpus = MINE[(len(MINE) + 1) // 2:]
+def run_watched(config: RunConfig) -> tuple[Any, dict[str, dict[int, set[int]]]]:
+    """``run_job(config)`` with a ``Watcher`` on it: the result, and every thread's CPUs as the kernel had them."""
     watchers: list[Watcher] = []
 
     def on_start(handle: RunHandle) -> None:
         watchers.append(Watcher(handle))
         watchers[0].start()
 
-    config = RunConfig(mode="async", steps=4, seed=0, out=str(tmp_path / "out"), init_dir=str(shared_init_dir()),
-                       progress=False, plot=False, n_groups=4, n_samples=4, timeout_s=180.0, redis_aof=False,
-                       placement="disaggregated", off_policy="decoupled")
     try:
         result = run_job(config, on_start=on_start)
     finally:
         for w in watchers:
             w.stop.set()
             w.join(5)
-    seen = watchers[0].seen
+    return result, watchers[0].seen
+
+
+@pytest.mark.skipif(len(MINE) < 2, reason="disaggregated placement needs 2 CPUs")
+def test_a_disaggregated_run_keeps_the_engines_and_the_trainer_on_disjoint_cpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)  # the run's own redis-server, pinned with the engines
+    engines_cpus = MINE[:(len(MINE) + 1) // 2]
+    trainer_cpus = MINE[(len(MINE) + 1) // 2:]
+    config = RunConfig(mode="async", steps=4, seed=0, out=str(tmp_path / "out"), init_dir=str(shared_init_dir()),
+                       progress=False, plot=False, n_groups=4, n_samples=4, timeout_s=180.0, redis_aof=False,
+                       placement="disaggregated", off_policy="decoupled")
+    result, seen = run_watched(config)
     engines = [n for n in seen if n.startswith("engine")]
     assert engines and "trainer-p0" in seen and "controller" in seen and "executor-0" in seen
     assert len(seen["trainer-p0"]) > 1  # torch's and the trainer's own threads, not only the main one
@@ -135,23 +140,11 @@ def test_light_roles_on_a_set_of_their_own_leave_the_engines_set_to_the_controll
     monkeypatch.delenv("REDIS_URL", raising=False)
     engines_cpus, trainer_cpus = MINE[:1], MINE[1:]
     light = MINE[-1:]
-    watchers: list[Watcher] = []
-
-    def on_start(handle: RunHandle) -> None:
-        watchers.append(Watcher(handle))
-        watchers[0].start()
-
     config = RunConfig(mode="async", steps=3, seed=0, out=str(tmp_path / "out"), init_dir=str(shared_init_dir()),
                        progress=False, plot=False, n_groups=4, n_samples=4, timeout_s=180.0, redis_aof=False,
                        placement="disaggregated", engine_cpus=str(engines_cpus[0]),
                        trainer_cpus=",".join(map(str, trainer_cpus)), light_cpus=str(light[0]))
-    try:
-        result = run_job(config, on_start=on_start)
-    finally:
-        for w in watchers:
-            w.stop.set()
-            w.join(5)
-    seen = watchers[0].seen
+    result, seen = run_watched(config)
     engines = [n for n in seen if n.startswith("engine")]
     assert engines and "executor-0" in seen and "controller" in seen
     for name, threads in seen.items():
