@@ -15,7 +15,15 @@ through one stream and one consumer group. The paths, alternated within one run:
              Lua publish) and ``events.consume.Consumer.run`` (read, decode and validate, handle,
              ack with the next read);
 - many:      (``--many``) as project, but ``Publisher.publish_many`` sends ``--batch`` events per
-             round trip: not like for like with the serial paths, it shows what batching gains.
+             round trip: not like for like with the serial paths, it shows what batching gains;
+- twin-many: (``--many``) the batching twin, many's baseline: the transport twin's events, ``--batch``
+             plain ``XADD``s hiredis-packed into one send (a pipeline) on the kept connection, the
+             replies read after it; no dedupe, no sequence number, no guarantee. many / twin-many is
+             the price of publish_many's guarantees, with the target set against it.
+
+The batched paths send a batch once its last event's slot is due (each event keeps its own slot
+as its send time, so the wait for a batch to fill counts in its latency); with ``--many`` they run
+at the fixed loads too, at the same rate as the serial paths.
 
 Two kinds of run: saturation (the publisher sends as fast as it can; events / (last receive -
 first send) is the throughput) and fixed offered load (``--loads 0.5,0.9``: the publisher
@@ -31,6 +39,7 @@ connection, acknowledged once the replica has it: what WeightsPublished, BatchRe
 WeightVersionServing pay with Sentinel).
 
     python bench/bench_events.py [--n 10000] [--reps 5] [--size 1024] [--count 64] [--loads 0.5,0.9]
+    python bench/bench_events.py --many [--batch 16] [--settle 180]
     python bench/bench_events.py --wait-replica [--n 3000] [--reps 3]
 """
 
@@ -43,7 +52,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
@@ -54,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import msgpack  # noqa: E402
 from hiredis import pack_command  # noqa: E402
-from verdict import OutsideLoad, Row, Target, paired_ratios, reasons, table  # noqa: E402
+from verdict import Load, OutsideLoad, Row, Target, paired_ratios, reasons, table, wait_for_quiet  # noqa: E402
 
 from rollout_bus.events.connection import connect  # noqa: E402
 from rollout_bus.events.consume import Consumer, ConsumerConfig, Message  # noqa: E402
@@ -116,6 +125,21 @@ def schedule(job: Job) -> Any:
         yield due  # the scheduled time: a late send counts its lateness (no coordinated omission)
 
 
+def batches(sends: Iterable[int], size: int) -> Iterator[list[int]]:
+    """Consecutive batches of ``size`` send times (the last one shorter). A batch is yielded once its last
+    send time was drawn, so over ``schedule`` a batch goes when its last event's slot is due."""
+    if size < 1:
+        raise ValueError(f"batch size {size} < 1")
+    batch: list[int] = []
+    for sent in sends:
+        batch.append(sent)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def kept_connection(url: str) -> Any:
     """One connection of a client's pool, kept for the process: what the twins send packed commands on."""
     client = connect(url)
@@ -139,12 +163,32 @@ def twin_publisher(job: Job) -> Callable[[int], None]:
         event_id = os.urandom(16).hex()
         raw = packer.pack({"id": event_id, "sent_ns": sent, "data": blob})
         if idempotent:
-            conn.send_packed_command([pack_command(("EVALSHA", sha, 2, job.stream, dedupe_prefix + event_id,
+            conn.send_packed_command([pack_command(("EVALSHA", sha, 2, job.stream, dedupe_prefix + event_id,  # type: ignore[arg-type]
                                                     TWIN_TTL_S, raw))])
         else:
-            conn.send_packed_command([pack_command(("XADD", job.stream, "*", "e", raw))])
+            conn.send_packed_command([pack_command(("XADD", job.stream, "*", "e", raw))])  # type: ignore[arg-type]
         if conn.read_response() is None:
             raise RuntimeError("twin publish reported a duplicate of a fresh id")
+    return publish
+
+
+def twin_many_publisher(job: Job) -> Callable[[list[int]], None]:
+    """The batching twin's publish of events scheduled at ``sents`` ns: the transport twin's msgpack map per
+    event, one plain ``XADD`` each, all hiredis-packed into one send on a connection kept from here on (a
+    pipeline: one round trip), then every reply read. No dedupe, no sequence number."""
+    _client, conn = kept_connection(job.url)
+    packer = msgpack.Packer(use_bin_type=True)
+    blob = bytes(job.size)
+    stream = job.stream
+
+    def publish(sents: list[int]) -> None:
+        conn.send_packed_command([pack_command(("XADD", stream, "*", "e",  # type: ignore[arg-type]
+                                                packer.pack({"id": os.urandom(16).hex(), "sent_ns": sent,
+                                                             "data": blob})))
+                                  for sent in sents])
+        for _ in sents:
+            if conn.read_response() is None:
+                raise RuntimeError("twin-many: an XADD appended nothing")
     return publish
 
 
@@ -153,7 +197,7 @@ def twin_events(job: Job) -> Generator[dict[str, Any], None, None]:
     BLOCK`` with the previous batch's ``XACK`` in the same send; the last acks go when the iterator is
     closed. Ends after ``TIMEOUT_S``."""
     _client, conn = kept_connection(job.url)
-    read = pack_command(("XREADGROUP", "GROUP", GROUP, "c0", "COUNT", job.count, "BLOCK", 1000,
+    read = pack_command(("XREADGROUP", "GROUP", GROUP, "c0", "COUNT", job.count, "BLOCK", 1000,  # type: ignore[arg-type]
                          "STREAMS", job.stream, ">"))
 
     def events() -> Generator[dict[str, Any], None, None]:
@@ -162,7 +206,7 @@ def twin_events(job: Job) -> Generator[dict[str, Any], None, None]:
         try:
             while time.monotonic() < deadline:
                 if acks:  # the previous batch's acks go first, in the same send as the next read
-                    conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks)) + read])
+                    conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks)) + read])  # type: ignore[arg-type]
                     conn.read_response()
                 else:
                     conn.send_packed_command([read])
@@ -176,7 +220,7 @@ def twin_events(job: Job) -> Generator[dict[str, Any], None, None]:
                     yield msgpack.unpackb(fields[1], raw=False)
         finally:
             if acks:
-                conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks))])
+                conn.send_packed_command([pack_command(("XACK", job.stream, GROUP, *acks))])  # type: ignore[arg-type]
                 conn.read_response()
     return events()
 
@@ -194,6 +238,32 @@ def project_publisher(job: Job) -> Callable[[int], None]:
     def publish(sent: int) -> None:
         pub.publish(job.stream, BenchTick(producer=PRODUCER, sent_ns=sent, data=blob), durable=durable)
     return publish
+
+
+def project_many_publisher(job: Job) -> Callable[[list[int]], None]:
+    """``Publisher.publish_many`` of one ``BenchTick`` per send time of ``sents``, its script loaded here."""
+    pub = Publisher(connect(job.url), Keys(job.namespace), PRODUCER)
+    blob = bytes(job.size)
+    pub.publish(job.stream + ":warmup", BenchTick(producer=PRODUCER, sent_ns=0, data=b""))  # loads the script
+
+    def publish(sents: list[int]) -> None:
+        pub.publish_many(job.stream, [BenchTick(producer=PRODUCER, sent_ns=sent, data=blob) for sent in sents])
+    return publish
+
+
+def _publish_batches_on_schedule(job: Job, publish: Callable[[list[int]], None], ready: MpEvent, go: MpEvent,
+                                 out: Any) -> None:
+    ready.set()
+    go.wait()
+    cpu0 = time.process_time()
+    t0 = time.time_ns()
+    for sents in batches(schedule(job), job.batch):
+        publish(sents)
+    out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
+
+
+def publish_twin_many(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
+    _publish_batches_on_schedule(job, twin_many_publisher(job), ready, go, out)
 
 
 def _publish_on_schedule(job: Job, publish: Callable[[int], None], ready: MpEvent, go: MpEvent, out: Any) -> None:
@@ -230,18 +300,7 @@ def publish_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
 
 
 def publish_project_many(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
-    client = connect(job.url)
-    pub = Publisher(client, Keys(job.namespace), PRODUCER)
-    blob = bytes(job.size)
-    pub.publish(job.stream + ":warmup", BenchTick(producer=PRODUCER, sent_ns=0, data=b""))  # loads the script
-    ready.set()
-    go.wait()
-    cpu0 = time.process_time()
-    t0 = time.time_ns()
-    for start in range(0, job.n, job.batch):
-        pub.publish_many(job.stream, [BenchTick(producer=PRODUCER, sent_ns=time.time_ns(), data=blob)
-                                      for _ in range(min(job.batch, job.n - start))])
-    out.put(("pub", t0, time.time_ns(), time.process_time() - cpu0))
+    _publish_batches_on_schedule(job, project_many_publisher(job), ready, go, out)
 
 
 def consume_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
@@ -268,7 +327,7 @@ def consume_project(job: Job, ready: MpEvent, go: MpEvent, out: Any) -> None:
 
 PATHS = {"transport": (publish_twin, consume_twin), "twin": (publish_twin, consume_twin),
          "project": (publish_project, consume_project), "many": (publish_project_many, consume_project),
-         "durable": (publish_project, consume_project)}
+         "durable": (publish_project, consume_project), "twin-many": (publish_twin_many, consume_twin)}
 
 
 # --- one run ------------------------------------------------------------------------------------
@@ -386,6 +445,25 @@ def spread(results: dict[str, list[Result]], path: str, attr: str) -> str:
     return f"{min(vals):,.0f}-{max(vals):,.0f}"
 
 
+def per_rep(res: dict[str, list[Result]], num: str, den: str, attr: str) -> list[float]:
+    """Per-repetition ratios of path ``num`` to path ``den`` in ``attr`` (runs of one round paired)."""
+    return paired_ratios([getattr(r, attr) for r in res[num]], [getattr(r, attr) for r in res[den]])
+
+
+def many_rows(sat: dict[str, list[Result]], half: dict[str, list[Result]] | None, batch: int, sat_load: Load,
+              half_load: Load) -> list[Row]:
+    """The verdict rows of publish_many against the batching twin: throughput at saturation (target >= 0.95)
+    and, given the runs at half load (``half``), p50 and p99 there (target <= 1, as the serial paths')."""
+    bench = "events 1 KB"
+    rows = [Row(bench, f"many / batching twin (x{batch}), msg/s at saturation",
+                per_rep(sat, "many", "twin-many", "rate"), Target(">=", 0.95), sat_load)]
+    if half is not None:
+        for q in ("p50_ms", "p99_ms"):
+            rows.append(Row(bench, f"many / batching twin (x{batch}), {q[:-3]} at 0.5 load",
+                            per_rep(half, "many", "twin-many", q), Target("<=", 1.0), half_load))
+    return rows
+
+
 def profile_paths(args: argparse.Namespace, paths: list[str]) -> int:
     import pstats
 
@@ -413,8 +491,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size", type=int, default=1024, help="payload bytes per event")
     p.add_argument("--count", type=int, default=64, help="XREADGROUP COUNT of every consumer")
     p.add_argument("--loads", default="0.5,0.9", help="offered loads, as fractions of the twin's saturation rate")
-    p.add_argument("--many", action="store_true", help="add the publish_many path")
-    p.add_argument("--batch", type=int, default=16, help="events per publish_many call of the 'many' path")
+    p.add_argument("--many", action="store_true", help="add the publish_many path and its batching twin")
+    p.add_argument("--batch", type=int, default=16, help="events per publish_many call ('many') and per pipeline ('twin-many')")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S",
+                   help="before the saturation runs and before the fixed loads, wait up to S s for the 1-minute "
+                   "load average to fall to 1 (the saturation runs lift it above the verdict's limit)")
     p.add_argument("--verbose", action="store_true", help="print every run")
     p.add_argument("--profile", metavar="DIR", help="one saturation run per path under cProfile (CPU time), "
                    "stats written to DIR and summarised; no other runs")
@@ -428,20 +509,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{args.n} events x {args.reps} reps per path; payload {args.size} B "
           f"(event on the wire: twins {twin_bytes} B, project {project_bytes} B); XREADGROUP COUNT {args.count}; "
           f"{os.cpu_count()} CPUs, load average {load1():.2f} at start")
-    paths = ["transport", "twin", "project"] + (["many"] if args.many else [])
+    batched = ["many", "twin-many"] if args.many else []
+    paths = ["transport", "twin", "project"] + batched
     loads = [float(x) for x in args.loads.split(",") if x]
     if args.profile:
         profile_paths(args, paths)
         return {}
     with RedisServer() as server:
+        if args.settle:
+            wait_for_quiet(args.settle)
         with OutsideLoad() as sat_outside:
             sat = run_series(server, args, paths, 0.0, "sat")
         sat_load = sat_outside.load
         twin_rate = med(sat, "twin", "rate")
         fixed: dict[float, dict[str, list[Result]]] = {}
+        if args.settle and loads:
+            wait_for_quiet(args.settle)
         with OutsideLoad() as fixed_outside:
             for f in loads:
-                fixed[f] = run_series(server, args, ["twin", "project"], f * twin_rate, f"load{f:g}")
+                fixed[f] = run_series(server, args, ["twin", "project"] + batched, f * twin_rate, f"load{f:g}")
         fixed_load = fixed_outside.load
 
     print(f"\nsaturation (medians of {args.reps}; {sat_load.describe()}):")
@@ -455,9 +541,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for path in res:
             print(f"  {path:9s} {med(res, path, 'rate'):9,.0f} msg/s   p50 {med(res, path, 'p50_ms'):6.3f} ms   "
                   f"p99 {med(res, path, 'p99_ms'):6.3f} ms   p999 {med(res, path, 'p999_ms'):6.3f} ms")
-    def per_rep(res: dict[str, list[Result]], num: str, den: str, attr: str) -> list[float]:
-        return paired_ratios([getattr(r, attr) for r in res[num]], [getattr(r, attr) for r in res[den]])
-
     rows = [Row("events 1 KB", "project / idempotent twin, msg/s at saturation", per_rep(sat, "project", "twin", "rate"),
                 Target(">=", 0.95), sat_load),
             Row("events 1 KB", "project / transport twin, msg/s (price of guarantees)",
@@ -466,6 +549,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for q in ("p50_ms", "p99_ms"):
             rows.append(Row("events 1 KB", f"project / idempotent twin, {q[:-3]} at 0.5 load",
                             per_rep(fixed[0.5], "project", "twin", q), Target("<=", 1.0), fixed_load))
+    if args.many:
+        rows += many_rows(sat, fixed.get(0.5), args.batch, sat_load, fixed_load)
     out: dict[str, Any] = {"rows": rows, "sat_load": sat_load, "fixed_load": fixed_load}
     print()
     print(table(rows))
