@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from rollout_bus.events.connection import connect
+from rollout_bus.events.connection import abandon, connect
+from rollout_bus.events.errors import BusUnavailable
 from rollout_bus.events.registry import Registry
 from rollout_bus.launch.config import RunConfig
 from rollout_bus.launch.job import RunHandle, run_job
@@ -47,20 +48,34 @@ class Watcher(threading.Thread):
         self.handle = handle
         self.seen: dict[str, dict[int, set[int]]] = {}
         self.stop = threading.Event()
+        self.client: Any = None
 
     def run(self) -> None:
-        client = connect(self.handle.url)
+        self.client = client = connect(self.handle.url)
         registry = Registry(client, self.handle.keys)
         try:
             while not self.stop.is_set():
                 pids = {c.name: c.pid for c in self.handle.procs.children if c.alive()}
-                pids.update({e.engine_id: e.pid for e in registry.engines().values() if e.pid})
+                try:
+                    pids.update({e.engine_id: e.pid for e in registry.engines().values() if e.pid})
+                except BusUnavailable:
+                    if self.stop.is_set():  # the run is over and its redis-server gone: nothing more to see
+                        return
+                    raise
                 for name, pid in pids.items():
                     with contextlib.suppress(FileNotFoundError):  # it exited meanwhile
                         self.seen.setdefault(name, {}).update(threads_of(pid))
                 time.sleep(0.2)
         finally:
             client.close()
+
+    def halt(self) -> None:
+        """Stop looking; a registry read waiting for the run's Redis (stopped with the run) gives up at once."""
+        self.stop.set()
+        if self.client is not None:
+            abandon(self.client)
+        self.join(10)
+        assert not self.is_alive(), "the watcher did not stop"
 
 
 def run_watched(config: RunConfig) -> tuple[Any, dict[str, dict[int, set[int]]]]:
@@ -75,8 +90,7 @@ def run_watched(config: RunConfig) -> tuple[Any, dict[str, dict[int, set[int]]]]
         result = run_job(config, on_start=on_start)
     finally:
         for w in watchers:
-            w.stop.set()
-            w.join(5)
+            w.halt()
     return result, watchers[0].seen
 
 
