@@ -74,6 +74,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_scale import spawn, stop  # noqa: E402  # the same process handling as the scale bench
 from verdict import OutsideLoad, parse_stat  # noqa: E402
 
 INSTRUMENT = ("MEASURING INSTRUMENT: stub engines answer /generate at once with a fixed reply "
@@ -285,25 +286,6 @@ def ticks_of(path: str) -> int:
     except OSError:
         return 0
     return parsed[2] if parsed else 0
-
-
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each (by pid), then SIGKILL what has not exited after 20 s."""
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(5)
 
 
 @dataclass
