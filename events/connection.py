@@ -220,6 +220,28 @@ class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
                                         "the sentinels are still failing over")
 
 
+UNREACHABLE: tuple[type[BaseException], ...] = (BusUnavailable, redis.ConnectionError, redis.TimeoutError,
+                                                ConnectionError)
+"""What a call raises when its Redis is gone: ``BusUnavailable`` from a guard past its budget (or on an abandoned
+client), the driver's connection and timeout errors from an unguarded call."""
+
+
+def probe_client(url: str, timeout_s: float = 1.0) -> redis.Redis:
+    """A client for reachability checks: connecting and every reply time out after ``timeout_s``, nothing is sent
+    again (a server that is gone is known as such within ``timeout_s``)."""
+    if SentinelURL.matches(url):
+        return connect(url, socket_timeout_s=timeout_s)
+    return redis.Redis.from_url(redis_url(url), socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+
+
+def answers(client: redis.Redis) -> bool:
+    """Whether ``client``'s server answers a PING now."""
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
 def redis_host(url: str | None = None) -> tuple[str, int]:
     """The host and port a url's first server is reached at (a Sentinel url: its first sentinel)."""
     target = redis_url(url)

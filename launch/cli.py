@@ -54,6 +54,7 @@ from rollout_bus.launch.config import (
     RunFailed,
     parse_eval_every,
 )
+from rollout_bus.launch.shards import shard_problems
 from rollout_bus.trainer.config import LogConfig, log_problems, parse_log_to
 
 
@@ -85,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                                f"{MODEL_DEFAULTS['steps']} with --model)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=d.out, help="logs, weights, checkpoints, summary.json, reward.png")
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else a private redis-server")
+    p.add_argument("--redis-url", default=None,
+                   help="default: $REDIS_URL, else a private redis-server; A,B,C: one shard per url (see --shards)")
+    p.add_argument("--shards", type=int, default=d.shards, metavar="N",
+                   help="Redis primaries, each a whole bus (a controller with its engines, executors) the trainers "
+                        "spread their rollouts over; a lost one leaves the run going on the others (private "
+                        "redis-servers, or the urls of --redis-url)")
     p.add_argument("--namespace", default=None, type=name_arg("namespace"), help="default: a fresh one per run")
     p.add_argument("--no-redis-aof", dest="redis_aof", action="store_false",
                    help="the private redis-server keeps no append-only file (default: <out>/redis/, fsync every "
@@ -220,8 +226,9 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     if config.weight_sync == "broadcast" and config.colocate:
         raise SystemExit("--weight-sync broadcast does not go with --colocate: released weights are read back from "
                          "their files, which weights received by collective do not update")
-    problems = colocate_problems(config) + [f"--{name} must be >= 1" for name in ("trainers", "engines", "steps")
-                if getattr(config, name) < 1]
+    problems = colocate_problems(config) + [f"--{name} must be >= 1" for name in ("trainers", "engines", "steps",
+                                                                                  "shards")
+                if getattr(config, name) < 1] + shard_problems(config, config.shards)
     if config.lora is not None:
         parts = config.lora.split(",")
         if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):

@@ -43,6 +43,10 @@ class RunConfig:
     namespace: str | None = None
     redis_aof: bool = True
     """The private redis-server (no ``redis_url``) keeps an append-only file in ``<out>/redis`` (fsync every second)."""
+    shards: int = 1
+    """Redis primaries, each a whole bus (its controller, engines and executors), over which the trainers spread
+    their rollouts (``launch.shards``, ``trainer.redis_shards``): private servers, or the urls of ``redis_url``
+    (``A,B,C``: as many shards as urls)."""
     # --- rollouts and training ---------------------------------------------------------------
     n_groups: int = 16
     n_samples: int = 8

@@ -58,6 +58,7 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
     from rollout_bus.launch.placement import PlacementError, PlacementRecord, pin_process, plan
     from rollout_bus.launch.procs import ProcessSet, RestartPolicy, signals_deferred
     from rollout_bus.launch.report import format_outputs, format_summary, plot_rewards, run_faults
+    from rollout_bus.launch.shards import ShardWatch, shard_problems, split_urls
     from rollout_bus.tasks.warmstart import WarmStartConfig, warm_start_cached
     from rollout_bus.trainer.config import parse_log_to
     from rollout_bus.trainer.metric_loggers import output_paths
@@ -67,9 +68,25 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         dedupe_ttl_from_env()
     except InvalidRequest as exc:
         raise RunFailed(f"bad environment: {exc}") from None
+    url = config.redis_url or os.environ.get("REDIS_URL")
+    try:
+        given = split_urls(url) if url else []
+    except ValueError as exc:
+        raise RunFailed(str(exc)) from None
+    if len(given) > 1 and config.shards not in (1, len(given)):
+        raise RunFailed(f"--shards {config.shards} with {len(given)} Redis urls: give as many urls as shards, or none "
+                        "(each shard then gets a private redis-server)")
+    if len(given) == 1 and config.shards > 1:
+        raise RunFailed(f"--shards {config.shards} with one Redis url: give {config.shards} urls (A,B,...), or none "
+                        "(each shard then gets a private redis-server)")
+    n_shards = max(config.shards, len(given))
+    problems = shard_problems(config, n_shards)
+    if problems:
+        raise RunFailed("; ".join(problems))
     try:
         placement = plan(config.placement, engine_cpus=config.engine_cpus, trainer_cpus=config.trainer_cpus,
-                         engines=_engine_count(config), trainers=config.trainers, light_cpus=config.light_cpus)
+                         engines=_engine_count(config) * n_shards, trainers=config.trainers,
+                         light_cpus=config.light_cpus)
     except PlacementError as exc:
         raise RunFailed(str(exc)) from None
     placed = PlacementRecord(placement)
@@ -80,22 +97,26 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         shutil.rmtree(out / stale, ignore_errors=True)
     namespace = config.namespace or f"run-{uuid.uuid4().hex[:8]}"
     keys = Keys(namespace)
-    server = None
-    url = config.redis_url or os.environ.get("REDIS_URL")
-    if not url:  # its append-only file lives in the run directory: a crash of the server loses at most ~1 s
-        if config.redis_aof:
-            (out / "redis").mkdir()
-        server = private_redis(out / "redis" if config.redis_aof else None, appendonly=config.redis_aof)
-        url = server.url
-        redis_proc = getattr(server, "proc", None)  # a fakeredis fallback runs in this process
-        if redis_proc is not None:
-            redis_cpus = placement.cpus("redis-server")
-            if redis_cpus is not None:
-                pin_process(redis_proc.pid, redis_cpus)
-            placed.observe("redis-server", redis_proc.pid)
-    url = redis_url(url)
+    servers: list[Any] = []
+    if not given:  # its append-only file lives in the run directory: a crash of the server loses at most ~1 s
+        for shard in range(n_shards):
+            data = out / ("redis" if shard == 0 else f"redis-s{shard}")
+            if config.redis_aof:
+                data.mkdir()
+            servers.append(private_redis(data if config.redis_aof else None, appendonly=config.redis_aof))
+            redis_proc = getattr(servers[-1], "proc", None)  # a fakeredis fallback runs in this process
+            if redis_proc is not None:
+                redis_cpus = placement.cpus("redis-server")
+                if redis_cpus is not None:
+                    pin_process(redis_proc.pid, redis_cpus)
+                placed.observe("redis-server" if shard == 0 else f"redis-server-s{shard}", redis_proc.pid)
+        given = [s.url for s in servers]
+    url, shard_urls = redis_url(given[0]), [redis_url(u) for u in given[1:]]
+    watch = ShardWatch([url, *shard_urls], None) if shard_urls else None
     procs = ProcessSet(out / "logs", env={"ROLLOUT_BUS_NAMESPACE": namespace, "REDIS_URL": url}, place=place,
                        placement=placement)
+    if watch is not None:
+        watch.procs = procs
     service = RestartPolicy(budget=config.restart_budget)
     client = connect(url)
     policies = config.policies()
@@ -136,18 +157,22 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                                         "--serve-metrics", str(ports["bus-metrics"])], restart=service)
             print("metrics:\n" + "\n".join(f"  {name:<12} http://127.0.0.1:{port}/metrics"
                                             for name, port in ports.items()), flush=True)
-        procs.start("controller", [
-            *ROLE, "controller", "--redis-url", url, "--namespace", namespace,
-            "--num-engines", str(config.engines), "--model-path", str(init), "--weights-root", str(weights_root),
-            "--base-policy", config.base_policy(), "--seed", str(config.seed), "--log-dir", str(out / "logs"),
-            *_pool_args(config), "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
-            *(["--eval-engines", str(config.eval_engines)] if config.eval_engines else []),
-            "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
-            *_janitor_args(config), *_health_args(config), *(["--colocate"] if config.colocate else []),
-            *(["--engine-arg=--torch-threads", f"--engine-arg={placement.engine_threads}"]
-              if placement.disaggregated else []),
-            "--weight-sync", config.weight_sync, *config.controller_args, *_metrics_args(ports, "controller")],
-            restart=service)
+
+        def start_controller(name: str, at: str, metrics: list[str], logs: Path) -> Any:  # its engines log there too
+            return procs.start(name, [
+                *ROLE, "controller", "--redis-url", at, "--namespace", namespace,
+                "--num-engines", str(config.engines), "--model-path", str(init), "--weights-root", str(weights_root),
+                "--base-policy", config.base_policy(), "--seed", str(config.seed), "--log-dir", str(logs),
+                *_pool_args(config), "--token-delay-ms", str(config.token_delay_ms), "--log-level", "INFO",
+                *(["--eval-engines", str(config.eval_engines)] if config.eval_engines else []),
+                "--engine-arg=--max-batch-size", f"--engine-arg={config.engine_max_batch}",
+                *_janitor_args(config), *_health_args(config), *(["--colocate"] if config.colocate else []),
+                *(["--engine-arg=--torch-threads", f"--engine-arg={placement.engine_threads}"]
+                  if placement.disaggregated else []),
+                "--weight-sync", config.weight_sync, *config.controller_args, *metrics],
+                restart=service)
+
+        start_controller("controller", url, _metrics_args(ports, "controller"), out / "logs")
         evals_on = config.eval_problems() > 0
         tracker = None
 
@@ -158,6 +183,17 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
                                                  *config.executor_args, *_metrics_args(ports, f"executor-{i}")],
                                restart=service)
 
+        for shard, at in enumerate(shard_urls, start=1):  # each further shard: a controller and executors of its own
+            assert watch is not None
+            create_epoch(watch.client(shard), keys)
+            # a log directory of its own: a controller's record of the engines it launched lives there
+            watch.add(shard, start_controller(f"controller-s{shard}", at, [], out / "logs" / f"shard-{shard}"))
+            for i in range(config.executors):
+                watch.add(shard, procs.start(
+                    f"executor-s{shard}-{i}", [*ROLE, "executor", "--redis-url", at, "--namespace", namespace,
+                                               "--index", str(i), *_task_args(config, init, task),
+                                               *_filter_args(config), *(["--queues", "rollout"] if evals_on else []),
+                                               *config.executor_args], restart=service))
         fleet = None
         if config.autoscale is not None:
             fleet = executor_fleet(config, client, keys, procs, start_executor)
@@ -185,14 +221,15 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         # trainers wait for their policy to be served before they ask for rollouts: no need to wait here
         trainer_policy = RestartPolicy(budget=config.restart_budget, may_finish=True)
         threads = ["--torch-threads", str(placement.trainer_threads)] if placement.disaggregated else []
+        spread = [arg for at in shard_urls for arg in ("--shard-url", at)]
         trainers = [procs.start(f"trainer-{p}", [*_trainer_args(config, p, url, namespace, init, weights_root,
                                                                 out / "checkpoints" / p, out / "metrics", task,
-                                                                threads),
+                                                                threads), *spread,
                                                  *_metrics_args(ports, f"trainer-{p}")], restart=trainer_policy)
                     for p in policies]
         if on_start is not None:
             on_start(RunHandle(procs, keys, url, fleet))
-        runlog = _follow(config, client, keys, procs, trainers, started, epoch, fleet, tracker, placed)
+        runlog = _follow(config, client, keys, procs, trainers, started, epoch, fleet, tracker, placed, watch)
         if tracker is not None and before is not None:  # each policy's last version, on the same problems
             afters = {}
             for p in policies:
@@ -237,6 +274,10 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             tracker.close()  # the eval logs (a W&B run is finished)
         with signals_deferred():  # a second signal must not leave the run's processes behind
             _adopt_engines_quietly(client, keys, procs)
+            if watch is not None:
+                for shard in range(1, len(watch.urls)):
+                    if shard not in watch.lost:
+                        _adopt_engines_quietly(watch.client(shard), keys, procs, quick=True)
             procs.stop_all()
         try:
             if config.log_events:
@@ -244,8 +285,10 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
         finally:
             with signals_deferred():
                 client.close()
-                if server is not None:
-                    server.stop()
+                if watch is not None:
+                    watch.close()
+                for each in servers:
+                    each.stop()
 
 
 def _janitor_args(config: RunConfig) -> list[str]:
@@ -503,11 +546,14 @@ def _wait_group(client: Any, keys: Any, policy: str, group: str, child: Any, tim
         time.sleep(0.05)
 
 
-def _adopt_engines(client: Any, keys: Any, procs: Any) -> None:
-    """Remember the engines' pids, so that they are stopped even if the controller cannot do it."""
+def _adopt_engines(client: Any, keys: Any, procs: Any, *, quick: bool = False) -> None:
+    """Remember the engines' pids, so that they are stopped even if the controller cannot do it (``quick``: one
+    try, for a shard that may be gone)."""
+    from rollout_bus.events.connection import Guard, ReconnectPolicy
     from rollout_bus.events.registry import Registry
 
-    for record in Registry(client, keys).engines().values():
+    guard = Guard(client, ReconnectPolicy(max_wait_s=0.0), name="shard registry") if quick else None
+    for record in Registry(client, keys, guard=guard).engines().values():
         if record.pid is not None and record.pid not in procs.extra_pids:
             procs.adopt(record.pid, record.engine_id)
 
@@ -541,7 +587,7 @@ def _filter_args(config: RunConfig) -> list[str]:
 
 
 def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float,
-            epoch: Any, fleet: Any = None, tracker: Any = None, placed: Any = None) -> Any:
+            epoch: Any, fleet: Any = None, tracker: Any = None, placed: Any = None, watch: Any = None) -> Any:
     """Follow the trainer stream until every trainer is done; restart what died; fail when one keeps dying,
     or when Redis lost the run's data (its bus epoch vanished: ``RunFailed`` with that reason)."""
     from tqdm import tqdm
@@ -564,6 +610,8 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                     last_epoch = time.monotonic()
                     epoch.check()
                 new = runlog.follow(client, keys, block_ms=300)
+                if watch is not None:  # each shard's batches (the steps come once, whichever shard shows them)
+                    new += _follow_shards(runlog, watch, keys)
                 for step in new:  # an eval of the policy as it is now; training goes on meanwhile
                     if tracker is not None and step.step in due and (step.policy, step.step) not in asked:
                         asked.add((step.policy, step.step))
@@ -572,6 +620,10 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                     tracker.poll()
                 if time.monotonic() - last_adopt > 1.0:
                     _adopt_engines(client, keys, procs)
+                    if watch is not None:
+                        for shard in range(1, len(watch.urls)):
+                            if watch.reachable(shard):
+                                _adopt_engines_quietly(watch.client(shard), keys, procs, quick=True)
                     if placed is not None:
                         _observe(placed, procs)
                     last_adopt = time.monotonic()
@@ -589,6 +641,8 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                                  for s in runlog.policies.values() if s.rewards})
             if fleet is not None:
                 fleet.tick()
+            if watch is not None:
+                watch.tick()
             try:
                 for child in procs.supervise():
                     tqdm.write(f"{child.name} exited with {exit_text(child.exits[-1])}: restarted "
@@ -597,9 +651,29 @@ def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: lis
                 raise RunFailed(str(exc)) from None
             if all(t.finished for t in trainers):
                 runlog.follow(client, keys, block_ms=0)
+                if watch is not None:
+                    _follow_shards(runlog, watch, keys)
                 return runlog
             if time.monotonic() - started > config.timeout_s:
                 raise RunFailed(f"the run did not finish in {config.timeout_s:.0f}s")
+
+
+def _follow_shards(runlog: Any, watch: Any, keys: Any) -> list[Any]:
+    """What the trainer streams of the run's further shards gained (a lost shard's is not read: one try each)."""
+    from rollout_bus.events.connection import Guard, ReconnectPolicy
+    from rollout_bus.events.errors import BusError
+
+    new: list[Any] = []
+    for shard in range(1, len(watch.urls)):
+        if not watch.reachable(shard):
+            continue
+        client = watch.client(shard)
+        try:
+            new += runlog.follow(client, keys, block_ms=0, shard=shard,
+                                 guard=Guard(client, ReconnectPolicy(max_wait_s=0.0), name=f"run log shard {shard}"))
+        except BusError as exc:
+            log.info("following shard %d: %s", shard, exc)
+    return new
 
 
 def _observe(placed: Any, procs: Any) -> None:
@@ -623,9 +697,9 @@ def _let_roles_notice(procs: Any) -> None:
         time.sleep(0.1)
 
 
-def _adopt_engines_quietly(client: Any, keys: Any, procs: Any) -> None:
+def _adopt_engines_quietly(client: Any, keys: Any, procs: Any, *, quick: bool = False) -> None:
     try:
-        _adopt_engines(client, keys, procs)
+        _adopt_engines(client, keys, procs, quick=quick)
     except Exception as exc:  # cleanup goes on: the controller stops its engines itself
         log.warning("could not read the engine registry: %s", exc)
 

@@ -110,6 +110,8 @@ class RunLog:
     def __init__(self) -> None:
         self.policies: dict[str, PolicySummary] = {}
         self.cursor = "0"
+        self.cursors: dict[int, str] = {}
+        """Where the trainer streams of the run's further Redis shards were read up to."""
         self._seen_steps: set[tuple[str, str, int]] = set()
 
     def policy(self, name: str) -> PolicySummary:
@@ -159,18 +161,27 @@ class RunLog:
     def add_all(self, events: Iterable[Event]) -> list[TrainStepDone]:
         return [e for e in (self.add(ev) for ev in events) if e is not None]
 
-    def follow(self, client: Redis, keys: Keys, block_ms: int = 500, guard: Guard | None = None) -> list[TrainStepDone]:
-        """Read what the trainer stream gained since the last call; returns the new steps."""
+    def follow(self, client: Redis, keys: Keys, block_ms: int = 500, guard: Guard | None = None,
+               shard: int = 0) -> list[TrainStepDone]:
+        """Read what the trainer stream gained since the last call; returns the new steps.
+
+        ``shard``: the trainer stream of another Redis shard of the run (``launch.shards``), with a cursor of its
+        own; its steps are the ones every shard carries (folded once), its ``BatchConsumed`` its own batches'."""
         g = guard or Guard(client, name="run log")
-        reply: Any = g.call(partial(_xread, stream=keys.trainer_stream, after=self.cursor, block_ms=block_ms))
+        after = self.cursor if shard == 0 else self.cursors.get(shard, "0")
+        reply: Any = g.call(partial(_xread, stream=keys.trainer_stream, after=after, block_ms=block_ms))
         events: list[Event] = []
         for entries in _rows(reply):
             entry_id, fields = entries
-            self.cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            after = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             try:
                 events.append(decode(fields))
             except Exception as exc:
-                log.warning("unreadable trainer event %s: %s", self.cursor, exc)
+                log.warning("unreadable trainer event %s: %s", after, exc)
+        if shard == 0:
+            self.cursor = after
+        else:
+            self.cursors[shard] = after
         return self.add_all(events)
 
 

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     t = sub.add_parser("train", help="the reference GRPO trainer (default)")
     _common(t)
+    t.add_argument("--shard-url", action="append", default=[], metavar="URL",
+                   help="another Redis primary to spread rollouts over, each a whole bus (controller, engines, "
+                        "executors); repeat for more: the trainer's shards are --redis-url and these")
     t.add_argument("--trainer-id", default="trainer-0", type=name_arg("trainer id"), help="names the consumer group; stable across restarts")
     t.add_argument("--steps", type=int, default=40)
     t.add_argument("--seed", type=int, default=0)
@@ -156,6 +159,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
+    from rollout_bus.events.connection import redis_url
     from rollout_bus.events.names import Keys
 
     data: Any = json.loads(ns.data)
@@ -164,7 +168,8 @@ def trainer_config(ns: argparse.Namespace) -> TrainerConfig:
     lora = parse_lora(ns.lora, ns.lora_targets) if ns.lora else None
     return TrainerConfig(
         policy=ns.policy, trainer_id=ns.trainer_id, namespace=ns.namespace or Keys.from_env().namespace,
-        redis_url=ns.redis_url, steps=ns.steps, seed=ns.seed, model_path=ns.model_path,
+        redis_url=ns.redis_url, shards=[redis_url(ns.redis_url), *ns.shard_url] if ns.shard_url else [],
+        steps=ns.steps, seed=ns.seed, model_path=ns.model_path,
         initial_version=ns.initial_version, checkpoint_dir=ns.checkpoint_dir, dp_rank=ns.dp_rank,
         dp_size=ns.dp_size, dp_strategy=ns.dp_strategy, get_timeout_s=ns.get_timeout_s,
         torch_threads=ns.torch_threads, lease_ttl_s=ns.lease_ttl_s,
@@ -235,14 +240,18 @@ def run_trainer(ns: argparse.Namespace, setup: Callable[[Trainer], None] | None 
     trainer = Trainer(config, client)
     if setup is not None:
         setup(trainer)
+    # with shards, each shard's epoch is the shard monitor's: one restarted empty is a lost shard, not the run's end
+    watching = (stop_on_bus_reset(client, Keys(config.namespace), "trainer") if not config.shards
+                else contextlib.nullcontext(None))
     try:
-        with stop_on_bus_reset(client, Keys(config.namespace), "trainer") as watch:  # SIGTERM: SystemExit, then stop
+        with watching as watch:  # SIGTERM: SystemExit, then stop
             try:
                 trainer.start()
                 state = trainer.run()
                 logging.getLogger("trainer").info("done: %d steps, version %d", state.step, state.version)
             except LeaseLost:
-                watch.check_now()  # the lease went with the rest of Redis's data: that is the cause to report
+                if watch is not None:
+                    watch.check_now()  # the lease went with the rest of Redis's data: that is the cause to report
                 raise
             finally:
                 trainer.stop()

@@ -41,7 +41,7 @@ from rollout_bus.events.errors import DecodeError, InvalidRequest, LeaseLost, Pa
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.rollouts import MAX_REQUEST_ID, RolloutRequest, SamplingParams
-from rollout_bus.events.schema import BatchConsumed, BatchReady, Producer, TrainerJoined, encode
+from rollout_bus.events.schema import BatchConsumed, BatchReady, Event, Producer, TrainerJoined, encode
 from rollout_bus.events.submit import RolloutSubmitter, SubmitConfig
 from rollout_bus.events.train_data import TrainData
 from rollout_bus.lm.tokenizer import EOS_ID
@@ -88,6 +88,8 @@ class ReceivedBatch:
     deliveries: int
     received_at: float
     error: str = ""
+    shard: int = 0
+    """The Redis shard it came from (``trainer.redis_shards``); 0 with one Redis."""
 
     @property
     def batch_id(self) -> str:
@@ -102,7 +104,37 @@ class ReceivedBatch:
         return self.event.request_id
 
 
-class RolloutClient:
+class Handing:
+    """``get`` and ``next`` over a client's ``take`` and ``poll`` (one Redis, or several: ``trainer.redis_shards``)."""
+
+    def take(self, predicate: Any = None) -> ReceivedBatch | None:
+        raise NotImplementedError
+
+    def poll(self, block_ms: int | None = None) -> int:
+        raise NotImplementedError
+
+    def get(self, rollout_id: int, timeout_s: float, request_id: str | None = None) -> ReceivedBatch:
+        """The batch of ``rollout_id`` (of ``request_id`` when given); ``TimeoutError`` after ``timeout_s``."""
+        def wanted(b: ReceivedBatch) -> bool:
+            return b.rollout_id == rollout_id and (request_id is None or b.request_id == request_id)
+        return self._wait(wanted, timeout_s, f"rollout {rollout_id}")
+
+    def next(self, timeout_s: float) -> ReceivedBatch:
+        """The first batch to arrive (buffered ones first)."""
+        return self._wait(None, timeout_s, "any batch")
+
+    def _wait(self, predicate: Any, timeout_s: float, what: str) -> ReceivedBatch:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            batch = self.take(predicate)
+            if batch is not None:
+                return batch
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no batch for {what} after {timeout_s:.1f}s")
+            self.poll()
+
+
+class RolloutClient(Handing):
     """Requests rollouts for one policy and receives their batches through one consumer group."""
 
     def __init__(self, client: Redis, keys: Keys, config: ClientConfig, producer: Producer, *,
@@ -259,16 +291,6 @@ class RolloutClient:
                 return batch
         return None
 
-    def get(self, rollout_id: int, timeout_s: float, request_id: str | None = None) -> ReceivedBatch:
-        """The batch of ``rollout_id`` (of ``request_id`` when given); ``TimeoutError`` after ``timeout_s``."""
-        def wanted(b: ReceivedBatch) -> bool:
-            return b.rollout_id == rollout_id and (request_id is None or b.request_id == request_id)
-        return self._wait(wanted, timeout_s, f"rollout {rollout_id}")
-
-    def next(self, timeout_s: float) -> ReceivedBatch:
-        """The first batch to arrive (buffered ones first)."""
-        return self._wait(None, timeout_s, "any batch")
-
     def wait_for(self, rollout_id: int, timeout_s: float) -> bool:
         """Block until the batch of ``rollout_id`` is buffered (without taking it)."""
         deadline = time.monotonic() + timeout_s
@@ -277,16 +299,6 @@ class RolloutClient:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            self.poll()
-
-    def _wait(self, predicate: Any, timeout_s: float, what: str) -> ReceivedBatch:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            batch = self.take(predicate)
-            if batch is not None:
-                return batch
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no batch for {what} after {timeout_s:.1f}s")
             self.poll()
 
     # --- acknowledging -------------------------------------------------------------------
@@ -309,6 +321,11 @@ class RolloutClient:
             except DecodeError as exc:  # a reference no store here can open: the janitor sweeps it by age
                 log.warning("batch %s: payload not released: %s", batch.batch_id, exc.reason)
             self.consumer.ack(batch.message_id, lease=fence)
+
+    def announce(self, stream: str, event: Event, idempotency_key: str) -> None:
+        """Publish ``event`` on ``stream`` once (``idempotency_key``), bound to the lease."""
+        with self._deposed_on_refusal():
+            self.publisher.publish(stream, event, idempotency_key=idempotency_key, lease=self.lease.fence)
 
     @contextlib.contextmanager
     def _deposed_on_refusal(self) -> Iterator[None]:

@@ -199,6 +199,9 @@ class TrainerConfig:
     trainer_id: str = "trainer-0"
     namespace: str = DEFAULT_NAMESPACE
     redis_url: str | None = None
+    shards: list[str] = field(default_factory=list)
+    """Every Redis primary this trainer spreads its rollouts over, each a whole bus of its own (controller, engines,
+    executors: ``trainer.redis_shards``); empty: the one at ``redis_url``."""
     instance: str = field(default_factory=socket.gethostname)
     steps: int = 40
     seed: int = 0
@@ -290,6 +293,12 @@ class TrainerConfig:
         if p.bucket_mb <= 0 or p.group_timeout_s <= 0 or not 0 <= p.group_port < 65536 or p.group_keep < 1:
             problems.append("publish: bucket_mb and group_timeout_s must be > 0, group_keep >= 1, group_port a port "
                             "(0: any free one)")
+        if self.shards:
+            if len(self.shards) < 2 or len(set(self.shards)) != len(self.shards):
+                problems.append(f"shards: name two or more different Redis urls, got {self.shards}")
+            if p.weight_sync != "disk" or self.schedule.colocate or self.dp_size != 1:
+                problems.append("shards: weights go by disk (weight_sync disk), without colocation and with one "
+                                "data-parallel rank (every shard's engines read the same version directory)")
         if self.optim.lr <= 0 or self.optim.epochs < 1 or self.optim.minibatches < 1:
             problems.append("optim: lr must be > 0, epochs and minibatches >= 1")
         problems += self.loss.problems()

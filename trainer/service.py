@@ -58,6 +58,7 @@ from rollout_bus.trainer.config import ConfigError, TrainerConfig
 from rollout_bus.trainer.finite import NonFiniteStep, nonfinite_parameters
 from rollout_bus.trainer.learner import Learner
 from rollout_bus.trainer.metric_loggers import NEEDED_METRICS, StepLogger
+from rollout_bus.trainer.redis_shards import ShardedClient, ShardedWeights, sharded
 from rollout_bus.trainer.requeue import stale_items
 from rollout_bus.trainer.staleness import split_stale
 from rollout_bus.trainer.weights import WeightPublisher
@@ -98,8 +99,8 @@ class Trainer:
         self.learner: Learner | HFLearnerType | None = None
         self._save_kwargs: dict[str, Any] = {}
         self.state: TrainerState | None = None
-        self.client: RolloutClient | None = None
-        self.weights: WeightPublisher | None = None
+        self.client: RolloutClient | ShardedClient | None = None
+        self.weights: WeightPublisher | ShardedWeights | None = None
         self.sender: WeightSender | None = None
         self.step_log: StepLogger | None = None
         """Each step's metrics to the backends of ``config.log`` (after the step's version is published)."""
@@ -123,14 +124,20 @@ class Trainer:
             self._start_hf(checkpoint)
         else:
             self._start_tiny(checkpoint)
-        self.client = RolloutClient(self.redis, self.keys, ClientConfig(
+        client_config = ClientConfig(
             policy=cfg.policy, trainer_id=cfg.trainer_id, group=cfg.group, consumer_index=cfg.dp_rank,
             dp_size=cfg.dp_size, lease_ttl_s=cfg.lease_ttl_s, rollout=cfg.rollout,
-            vocab_size=_vocab_size(self.model)), self.producer)
-        self.sender = self._sender()
-        self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
-                                       self.producer, keep_versions=cfg.publish.keep_versions,
-                                       lease=self.client.lease, sender=self.sender)
+            vocab_size=_vocab_size(self.model))
+        if cfg.shards:  # several Redis primaries (trainer.redis_shards): no colocation, weights by disk
+            self.client, self.weights = sharded(
+                cfg.shards, self.keys, client_config, self.producer, weights_root=cfg.publish.weights_root,
+                keep_versions=cfg.publish.keep_versions)
+        else:
+            self.client = RolloutClient(self.redis, self.keys, client_config, self.producer)
+            self.sender = self._sender()
+            self.weights = WeightPublisher(self.redis, self.keys, cfg.policy, cfg.publish.weights_root,
+                                           self.producer, keep_versions=cfg.publish.keep_versions,
+                                           lease=self.client.lease, sender=self.sender)
         self.step_log = StepLogger(cfg)
         self.client.start()
         state = self._st()
@@ -554,10 +561,10 @@ class Trainer:
         """``TrainStepDone`` of the current step (once: a restart repeats it under the same key)."""
         state, cfg = self._st(), self.config
         metrics = {**state.last_metrics, **extra}
-        self.publisher.publish(self.keys.trainer_stream, TrainStepDone(
+        self._cl().announce(self.keys.trainer_stream, TrainStepDone(
             producer=self.producer, policy=cfg.policy, trainer_id=cfg.trainer_id, step=state.step,
             weight_version=state.version, metrics=metrics),
-            idempotency_key=f"step.{cfg.trainer_id}.{state.run_id}.{state.step}", lease=self._cl().lease.fence)
+            idempotency_key=f"step.{cfg.trainer_id}.{state.run_id}.{state.step}")
 
     # --- accessors -------------------------------------------------------------------------
     def _st(self) -> TrainerState:
@@ -565,7 +572,7 @@ class Trainer:
             raise RuntimeError("Trainer.start() first")
         return self.state
 
-    def _cl(self) -> RolloutClient:
+    def _cl(self) -> RolloutClient | ShardedClient:
         if self.client is None:
             raise RuntimeError("Trainer.start() first")
         return self.client
