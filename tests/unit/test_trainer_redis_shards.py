@@ -3,7 +3,8 @@ are acked, what happens to the requests of a lost shard; the settings that refus
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import fakeredis
@@ -15,7 +16,7 @@ from rollout_bus.events.paging import page
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.registry import PolicyRecord, Registry
 from rollout_bus.events.rollouts import RolloutRequest
-from rollout_bus.events.schema import BatchConsumed, Producer, RolloutRequested, decode
+from rollout_bus.events.schema import BatchConsumed, Producer, RolloutRequested, TrainerJoined, decode
 from rollout_bus.executor.output import BatchSink
 from rollout_bus.launch.config import RunConfig, RunFailed
 from rollout_bus.launch.job import run_job
@@ -33,7 +34,7 @@ URLS = ["fake://a", "fake://b", "fake://c"]
 class Fleet:
     """Three fake Redis servers as three shards, and a sharded client over them."""
 
-    def __init__(self, keys: Keys, tmp: Path) -> None:
+    def __init__(self, keys: Keys, tmp: Path, settings: ShardSettings | None = None) -> None:
         self.keys = keys
         self.servers = {url: fakeredis.FakeServer() for url in URLS}
         self.raw = {url: fakeredis.FakeRedis(server=self.servers[url]) for url in URLS}
@@ -47,7 +48,7 @@ class Fleet:
             return rollouts, WeightPublisher(client, keys, "alpha", tmp, producer, keep_versions=0,
                                              lease=rollouts.lease)
 
-        self.shards = ShardSet(URLS, keys, factory, ShardSettings(probe_s=60.0),
+        self.shards = ShardSet(URLS, keys, factory, settings or ShardSettings(probe_s=60.0),
                                connect_fn=lambda url: fakeredis.FakeRedis(server=self.servers[url]))
         self.client = ShardedClient(self.shards, config)
         self.client.start()
@@ -164,3 +165,34 @@ def test_a_run_refuses_shard_counts_its_urls_do_not_match(tmp_path: Path, monkey
         run_job(RunConfig(shards=2, redis_url="redis://127.0.0.1:1", out=str(tmp_path)))
     with pytest.raises(RunFailed, match="does not go with"):
         run_job(RunConfig(shards=2, weight_sync="broadcast", out=str(tmp_path)))
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_a_shard_that_stops_answering_is_lost_then_rejoins_when_it_answers_again(keys: Keys, tmp_path: Path) -> None:
+    f = Fleet(keys, tmp_path, ShardSettings(probe_s=0.05, lost_after_s=0.3, rejoin_after_s=0.3))
+    try:
+        for r in range(3):
+            f.client.request(r, f.client.request_id("run", r))
+        on_b = next(r for r, p in f.client.pending.items() if p.shard == 1)
+        f.servers[URLS[1]].connected = False  # the server stops answering: connections fail
+        wait_until(lambda: f.shards._events != [])  # the monitor saw it ...
+        f.client.poll()  # ... and the trainer's thread acts on it
+        assert f.shards.stats.lost == 1 and not f.shards.shards[1].up
+        assert f.client.pending[on_b].shard in (0, 2)  # its request in flight went elsewhere
+        f.servers[URLS[1]].connected = True
+        wait_until(lambda: f.shards._events != [])
+        f.client.poll()
+        assert f.shards.stats.rejoined == 1 and f.shards.shards[1].up
+        joined = [e for _, fields in page(f.raw[URLS[1]], keys.trainer_stream)
+                  if isinstance(e := decode(fields), TrainerJoined)]
+        assert len(joined) == 2  # joined again on the new client (lease, group)
+        f.client.request(3, f.client.request_id("run", 3))
+        assert f.client.pending[3].shard == 1  # the emptiest shard again
+    finally:
+        f.client.stop()
