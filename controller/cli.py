@@ -23,6 +23,9 @@ from rollout_bus.controller.config import (
 )
 from rollout_bus.events.names import name_arg
 
+STOP_PROBE_S = 1.0
+"""After a stop signal, how long the controller stops as usual before it asks whether Redis still answers."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     d = ControllerConfig()
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_bus.controller.lease import Lease, owner_token
     from rollout_bus.controller.runner import LeaderRunner
     from rollout_bus.controller.service import InferenceController
-    from rollout_bus.events.connection import connect
+    from rollout_bus.events.connection import abandon, answers, connect, probe_client, redis_url
     from rollout_bus.events.epoch import stop_on_bus_reset
     from rollout_bus.events.names import Keys
     from rollout_bus.events.registry import Registry
@@ -156,8 +159,26 @@ def main(argv: list[str] | None = None) -> int:
         client = connect(config.redis_url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        async def give_up_if_gone() -> None:
+            """Stopping while Redis does not answer: the calls waiting in their reconnect loops (lease, registry,
+            streams) give up at their next try, so the stop goes on to the engines instead of waiting minutes."""
+            await asyncio.sleep(STOP_PROBE_S)
+            probe = probe_client(redis_url(config.redis_url), timeout_s=1.0)
+            try:
+                if not await asyncio.to_thread(answers, probe):
+                    logging.getLogger("controller").warning("stopping while Redis does not answer: not waiting for it")
+                    abandon(client)
+            finally:
+                probe.close()
+
+        def on_signal() -> None:
+            if not stop.is_set():
+                stop.set()
+                loop.create_task(give_up_if_gone())
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         keys = Keys(config.namespace)
         lease = Lease(client, keys.controller_lease, owner_token(config.instance), config.lease_ttl_s)
         launched = Launched.in_dir(config.log_dir, config.instance)  # one record for every service this process runs

@@ -221,3 +221,37 @@ def test_a_new_controller_adopts_the_engines_of_a_killed_one_without_duplicates(
     assert second.wait(20) == 0
     assert not any(pid_alive(pid) for pid in pids.values())  # a clean stop takes its engines down
     assert redis_client.get(keys.controller_lease) is None
+
+
+def test_a_controller_stops_on_one_sigterm_while_its_redis_is_gone(keys: Keys, root: Path, tmp_path: Path,
+                                                                   cleanup: list[int]) -> None:
+    """Its lease, registry and stream calls wait in their reconnect loops for a Redis that is gone (a shard lost
+    for good); one SIGTERM must still stop it, and its engine with it."""
+    server = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        args = ["--namespace", keys.namespace, "--redis-url", server.url, "--num-engines", "1",
+                "--model-path", str(root / "base"), "--weights-root", str(root), "--health-interval-s", "0.3",
+                "--log-dir", str(tmp_path / "logs"), "--log-level", "info"]
+        log = tmp_path / "controller.log"
+        ctl = spawn_controller(args, log)
+        cleanup.append(ctl.pid)
+        registry = Registry(client, keys)
+        wait_until("a serving engine", lambda: any(r.state == EngineState.SERVING
+                                                   for r in registry.engines().values()), 30)
+        engine = next(r.pid for r in registry.engines().values() if r.pid)
+        assert engine is not None
+        cleanup.append(engine)
+        client.close()
+        server.kill()
+        wait_until("the controller saw Redis go", lambda: "connection to Redis lost" in log.read_text(), 30)
+        wait_until("its calls waiting to reconnect", lambda: log.read_text().count("connection to Redis lost") >= 2, 30)
+        assert ctl.poll() is None
+        ctl.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while ctl.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctl.poll() is not None, "one SIGTERM did not stop the controller:\n" + log.read_text()[-3000:]
+        wait_until("its engine stopped", lambda: not pid_alive(engine), 10)
+    finally:
+        server.stop()
