@@ -22,8 +22,9 @@ per second one gateway process serves.
    of the gateway, the stub, redis and this client (from ``/proc/PID/stat``).
 
 The load is judged from outside the bench: the 1-minute load average before each part, and the CPU that
-processes outside this bench's process tree used while it ran (from ``/proc/stat``). No verdict is
-printed when either says the machine was busy, or when the spread over repeats crosses the target.
+processes outside this bench's process tree used while it ran (from ``/proc/stat``). Part 1's verdict is
+``bench/verdict.py``'s ``judge`` over the per-repeat p50s (``overhead_rows``, also ``main(...)["rows"]``):
+none when the load says the machine was busy, none when the spread over repeats crosses the target.
 
     python bench/bench_gateway.py [--quick] [--parts overhead,durable,saturation] [--reps 3]
 """
@@ -51,6 +52,10 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from verdict import Load, Target, paired_ratios  # noqa: E402
+from verdict import Row as VerdictRow  # noqa: E402
 
 from rollout_bus.events.connection import connect  # noqa: E402
 from rollout_bus.events.embedded import RedisServer  # noqa: E402
@@ -428,10 +433,20 @@ def round_trips(redis_url: str, n: int, reps: int) -> dict[str, list[float]]:
         held = store.begin("rt", uuid.uuid4().hex)
         store.commit(held, held.state, publish=publisher.prepared(keys.session_stream, event()))
 
-    out: dict[str, list[float]] = {"three": [], "two": []}
+    kept: list[Any] = []
+
+    def kept_state() -> None:
+        """As a gateway's next turn on a session it served last: the state its commit wrote is not read again."""
+        held = store.begin("rt", uuid.uuid4().hex, known=kept[0] if kept else None)
+        state = held.state
+        store.commit(held, state, publish=publisher.prepared(keys.session_stream, event()))
+        held.state = state
+        kept[:] = [held]
+
+    out: dict[str, list[float]] = {"three": [], "two": [], "kept": []}
     try:
         for _ in range(reps):
-            for name, fn in (("three", three), ("two", two)):
+            for name, fn in (("three", three), ("two", two), ("kept", kept_state)):
                 fn()
                 t0 = time.perf_counter()
                 for _ in range(n):
@@ -503,22 +518,32 @@ def part_overhead(args: argparse.Namespace, server: RedisServer, tmp: Path) -> d
     trips = round_trips(server.url, 300 if args.quick else 1000, args.reps)
     print(f"a turn's Redis work, ms per turn, median of {args.reps} (min-max), alternated: begin + commit + publish "
           f"(3 round trips) {spread(trips['three'])}; begin + commit with the event in its script (2) "
-          f"{spread(trips['two'])}")
+          f"{spread(trips['two'])}; the same, the state kept from the last commit {spread(trips['kept'])}")
     out["trips"] = trips
     print(watch.line())
-    main = out["rows"][rows[0].name]["p50"]
-    if watch.busy:
-        print(f"target p50 < {TARGET_MS} ms (stub, aiohttp): no verdict, the machine was busy")
-    elif max(main) < TARGET_MS:
-        print(f"target p50 < {TARGET_MS} ms (stub, aiohttp): met in every repeat")
-    elif min(main) >= TARGET_MS:
-        print(f"target p50 < {TARGET_MS} ms (stub, aiohttp): MISSED in every repeat")
-    else:
-        print(f"target p50 < {TARGET_MS} ms (stub, aiohttp): no verdict, the spread crosses it")
+    out["verdict_rows"] = overhead_rows(out, [row.name for row in rows], bool(args.compare_source))
+    for vrow in out["verdict_rows"]:
+        values = " ".join(f"{v:.3f}" for v in vrow.values)
+        print(f"{vrow.figure}: per repeat {values}; target {vrow.target or '-'}: {vrow.verdict.explain()}")
     if prof is not None:
         print_profile(prof, args.sessions * args.turns, args.top)
     out["model"] = model
     return out
+
+
+def overhead_rows(out: dict[str, Any], names: list[str], compared: bool) -> list[VerdictRow]:
+    """Verdict rows of part 1 (``bench/verdict.py``), per repetition: the gateway's p50 beyond the direct call
+    (stub engine, aiohttp client) against the 1 ms target, and, with ``--compare-source``, its ratio to the
+    other gateway's p50 in the same repeat (no target: the change, not the goal)."""
+    watch: Watch = out["watch"]
+    load = Load(watch.load_before, watch.others_cores / (os.cpu_count() or 1))
+    p50 = out["rows"][names[0]]["p50"]
+    rows = [VerdictRow("gateway", "turn overhead p50, ms beyond the engine call", list(p50), Target("<", TARGET_MS),
+                       load)]
+    if compared:
+        rows.append(VerdictRow("gateway", "turn overhead p50 / the compared gateway's",
+                               paired_ratios(p50, out["rows"][names[1]]["p50"]), None, load))
+    return rows
 
 
 # --- 2. durable episodes -------------------------------------------------------------------------------
@@ -750,7 +775,7 @@ def part_saturation(args: argparse.Namespace, server: RedisServer, tmp: Path, mo
     return {"levels": levels, "watch": watch}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="overhead,durable,saturation")
@@ -777,11 +802,14 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"start", flush=True)
     server = RedisServer().start()
     model = None
+    result: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="bench-gateway-") as d:
             tmp = Path(d)
             if "overhead" in parts:
-                model = part_overhead(args, server, tmp)["model"]
+                result["overhead"] = part_overhead(args, server, tmp)
+                result["rows"] = result["overhead"]["verdict_rows"]
+                model = result["overhead"]["model"]
             if "durable" in parts:
                 part_durable(args, server, tmp)
             if "saturation" in parts:
@@ -789,8 +817,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         server.stop()
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
-    return 0
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

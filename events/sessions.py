@@ -5,11 +5,11 @@ A session is one multi-turn episode served through the session gateway (``rollou
 whole state lives here, not in any gateway process, so any gateway instance serves any session and a
 restart loses nothing:
 
-- ``session(sid)``: a hash with ``rev`` (bumped by every commit), ``state`` (one msgpack map: the
-  session's header and its journal of turns, each with the exact token ids the engine saw and made)
-  and ``tenant`` (the gateway client key's tenant the session is bound to: the one that opened it, or
-  for a session offered to external agents, "" until one claims it; a caller of another tenant finds
-  no session);
+- ``session(sid)``: a hash with ``rev`` (bumped by every commit), ``writer`` (the lock token of the call
+  whose commit wrote the state), ``state`` (one msgpack map: the session's header and its journal of turns,
+  each with the exact token ids the engine saw and made) and ``tenant`` (the gateway client key's tenant
+  the session is bound to: the one that opened it, or for a session offered to external agents, "" until
+  one claims it; a caller of another tenant finds no session);
 - ``session_busy(sid)``: the lock a call holds while it runs (``SET NX PX``), so that a second concurrent
   call on the session is refused instead of interleaving turns; it expires on its own if the gateway
   holding it dies;
@@ -18,8 +18,12 @@ restart loses nothing:
 A call ``begin``s (takes the lock and reads the state in one script), works, then ``commit``s (writes the
 new state only if it still holds the lock and the revision did not move, and frees the lock, in one
 script; a gateway's turn appends its ``SessionTurn`` event in that same script, only if the commit goes
-through: two round trips a turn). The state read back is untrusted: ``check_state`` validates every field a gateway turns into a
-token, a key or a number before it is used.
+through: two round trips a turn). A caller that kept the state its own last commit wrote passes it to
+``begin`` as ``known``: while the session's revision and writer are still that commit's, the state is not
+sent, read or checked again (anything else that wrote since, another gateway, a takeover, a re-created
+session, moves the revision or the writer, and the state is read whole). The state read back is
+untrusted: ``check_state`` validates every field a gateway turns into a token, a key or a number before it
+is used.
 """
 
 from __future__ import annotations
@@ -58,15 +62,20 @@ end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) == false then
   return {'busy'}
 end
-local found = redis.call('HMGET', KEYS[1], 'rev', 'state', 'tenant')
+local found = redis.call('HMGET', KEYS[1], 'rev', 'writer', 'tenant')
 if found[1] == false then
   redis.call('DEL', KEYS[2])
   return {'missing'}
 end
-return {'ok', found[1], found[2], found[3] or ''}
+if ARGV[5] ~= '' and found[1] == ARGV[5] and found[2] == ARGV[6] then
+  return {'same', found[1], false, found[3] or ''}
+end
+return {'ok', found[1], redis.call('HGET', KEYS[1], 'state'), found[3] or ''}
 """
 """ARGV[3] '1': only a session of tenant ARGV[4] is found (checked before the lock is taken, so a caller of
-another tenant never holds up the session's own calls)."""
+another tenant never holds up the session's own calls). ARGV[5], ARGV[6]: the revision and writer of the state
+the caller holds already (``known``); when the session is still at that revision, written by that call, the
+state is not sent again."""
 
 _BIND = """
 if redis.call('HEXISTS', KEYS[1], 'state') == 0 then return 0 end
@@ -80,7 +89,7 @@ _COMMIT = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'lock' end
 local rev = redis.call('HGET', KEYS[1], 'rev')
 if rev ~= ARGV[2] then return 'rev' end
-redis.call('HSET', KEYS[1], 'rev', tostring(tonumber(rev) + 1), 'state', ARGV[3])
+redis.call('HSET', KEYS[1], 'rev', tostring(tonumber(rev) + 1), 'state', ARGV[3], 'writer', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 if ARGV[5] == '1' then redis.call('DEL', KEYS[2]) else redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
 return 'ok'
@@ -159,8 +168,10 @@ UNKNOWN_VERSION = -1
 """A token's weight version when neither the engine (SGLang's ``"default"``) nor the registry knew it."""
 
 
-def check_state(sid: str, state: Any) -> dict[str, Any]:
-    """``state`` when it is a well-formed session state, else ``BadState`` saying what is wrong."""
+def check_state(sid: str, state: Any, *, from_turn: int = 0) -> dict[str, Any]:
+    """``state`` when it is a well-formed session state, else ``BadState`` saying what is wrong.
+    ``from_turn``: the turns before it are known to be well formed (checked before), so only the header and
+    the later turns are checked."""
     def bad(why: str) -> BadState:
         return BadState(sid, why)
 
@@ -192,7 +203,8 @@ def check_state(sid: str, state: Any) -> dict[str, Any]:
         raise bad("turns must be a list")
     if not 0 <= state["position"] <= len(turns):
         raise bad(f"position {state['position']} is outside its {len(turns)} turns")
-    for i, turn in enumerate(turns):
+    for i in range(max(from_turn, 0), len(turns)):
+        turn = turns[i]
         if not isinstance(turn, dict):
             raise bad(f"turn {i} is not a map")
         for key in _INT_LISTS:
@@ -306,17 +318,38 @@ class SessionStore:
                            self.keys.session_busy(sid))
 
     # --- one call ------------------------------------------------------------------------------
-    def begin(self, sid: str, token: str, *, tenant: str | None = None) -> Held:
+    def begin(self, sid: str, token: str, *, tenant: str | None = None, known: Held | None = None) -> Held:
         """Take the session's lock and read its state: ``SessionBusy`` / ``SessionNotFound`` otherwise
-        (with ``tenant``, a session bound to another tenant is not found, and its lock is never taken)."""
+        (with ``tenant``, a session bound to another tenant is not found, and its lock is never taken).
+
+        ``known``: the ``Held`` of this caller's last commit on the session (its state as committed, never
+        changed since). While the session is still at that commit (same revision, same writer), the new
+        ``Held`` carries that very state object and nothing more crosses the wire; otherwise the state is
+        read and checked as without it."""
+        keys, args = self._begin_call(sid, token, tenant, known)
+        return self._begun(sid, token, self._begin(keys=keys, args=args), known)
+
+    def send_begin(self, sid: str, token: str, *, tenant: str | None = None,
+                   known: Held | None = None) -> PendingBegin:
+        """``begin``, sent without waiting for its reply: the caller works while Redis runs the script, then
+        takes the outcome with ``PendingBegin.held()`` (which it must call, whatever its work did)."""
+        keys, args = self._begin_call(sid, token, tenant, known)
+        return PendingBegin(self, sid, token, tenant, known, self._send(self._begin, keys, args))
+
+    def _begin_call(self, sid: str, token: str, tenant: str | None, known: Held | None) -> tuple[list[str], list[Any]]:
         check_name("session id", sid)
-        reply = self._begin(keys=[self.keys.session(sid), self.keys.session_busy(sid)],
-                            args=[token, self.lock_ms, "0" if tenant is None else "1", tenant or ""])
+        mark = [known.rev, known.token] if known is not None and known.sid == sid else ["", ""]
+        return ([self.keys.session(sid), self.keys.session_busy(sid)],
+                [token, self.lock_ms, "0" if tenant is None else "1", tenant or "", *mark])
+
+    def _begun(self, sid: str, token: str, reply: Any, known: Held | None) -> Held:
         tag = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
         if tag == "busy":
             raise SessionBusy(sid)
         if tag == "missing":
             raise SessionNotFound(sid)
+        if tag == "same" and known is not None:
+            return Held(sid, token, reply[1], known.state, _text(reply[3]))
         rev, raw = reply[1], reply[2]
         if raw is None:
             self.release(sid, token)
@@ -329,16 +362,69 @@ class SessionStore:
         return Held(sid, token, rev, state, _text(reply[3]))
 
     def commit(self, held: Held, state: Mapping[str, Any], *, release: bool = True,
-               publish: tuple[list[Any], list[Any]] | None = None) -> None:
+               publish: tuple[list[Any], list[Any]] | None = None, turns_packed: list[bytes] | None = None) -> None:
         """Write ``state`` if ``held`` still holds the lock and nobody wrote since; frees the lock (unless
         ``release`` is False: a call that goes on, as a stream between its engine calls). ``publish``: an
-        event (``Publisher.prepared``) appended in the same round trip, only if the commit went through."""
-        keys = [self.keys.session(held.sid), self.keys.session_busy(held.sid)]
-        args: list[Any] = [held.token, held.rev, _pack(state), self.ttl_s, "1" if release else "0", self.lock_ms]
+        event (``Publisher.prepared``) appended in the same round trip, only if the commit went through.
+        ``turns_packed``: ``pack_turn`` of each of ``state["turns"]``, in order, packed before (the state is
+        then packed around them, to the same bytes)."""
+        keys, args = self._commit_call(held, state, release, publish, turns_packed)
         if publish is None:
             reply = self._commit(keys=keys, args=args)
         else:
-            reply = self._commit_publish(keys=keys + publish[0], args=args + publish[1])[0]
+            reply = self._commit_publish(keys=keys, args=args)[0]
+        self._committed(held, state, reply)
+
+    def send_commit(self, held: Held, state: Mapping[str, Any], *, publish: tuple[list[Any], list[Any]],
+                    turns_packed: list[bytes] | None = None) -> PendingCommit:
+        """``commit`` (with its event, freeing the lock), sent without waiting for its reply: the caller works
+        while Redis runs the script, then ``PendingCommit.done()`` (which it must call, whatever its work did)
+        raises what ``commit`` raises; until then nothing is known to be written."""
+        keys, args = self._commit_call(held, state, True, publish, turns_packed)
+        conn = self._send(self._commit_publish, keys, args)
+        return PendingCommit(self, held, state, publish, turns_packed, conn)
+
+    def _send(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """A connection with ``script`` sent on it (its reply for the caller to read), or None for a client
+        that is not a plain pooled ``redis.Redis``."""
+        pool = getattr(self.client, "connection_pool", None)
+        if not (isinstance(self.client, redis.Redis) and isinstance(pool, redis.ConnectionPool)
+                and self.client.connection is None):
+            return None
+        conn = pool.get_connection()
+        try:
+            conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except BaseException:
+            pool.release(conn)
+            raise
+        return conn
+
+    def _read(self, conn: Any) -> tuple[bool, Any]:
+        """The reply on ``conn`` (sent by ``_send``), the connection given back: (False, None) when Redis did
+        not know the script (nothing ran: the caller makes the plain call, which loads it)."""
+        pool = self.client.connection_pool
+        try:
+            reply = conn.read_response()
+        except redis.exceptions.NoScriptError:
+            pool.release(conn)
+            return False, None
+        except BaseException:
+            pool.release(conn)  # a connection error disconnected it already
+            raise
+        pool.release(conn)
+        return True, reply
+
+    def _commit_call(self, held: Held, state: Mapping[str, Any], release: bool,
+                     publish: tuple[list[Any], list[Any]] | None,
+                     turns_packed: list[bytes] | None) -> tuple[list[str], list[Any]]:
+        keys = [self.keys.session(held.sid), self.keys.session_busy(held.sid)]
+        packed = _pack(state) if turns_packed is None else pack_state(state, turns_packed)
+        args: list[Any] = [held.token, held.rev, packed, self.ttl_s, "1" if release else "0", self.lock_ms]
+        if publish is None:
+            return keys, args
+        return keys + publish[0], args + publish[1]
+
+    def _committed(self, held: Held, state: Mapping[str, Any], reply: Any) -> None:
         tag = reply.decode() if isinstance(reply, bytes) else str(reply)
         if tag == "lock":
             raise SessionConflict(held.sid, "its call lock expired or was taken over")
@@ -399,6 +485,48 @@ class SessionStore:
             pipe.execute()
 
 
+class PendingBegin:
+    """A ``SessionStore.begin`` sent (``send_begin``), its reply not read yet."""
+
+    def __init__(self, store: SessionStore, sid: str, token: str, tenant: str | None, known: Held | None,
+                 conn: Any) -> None:
+        self._store = store
+        self._call = (sid, token, tenant, known)
+        self._conn = conn
+
+    def held(self) -> Held:
+        """The reply: the ``Held`` session, or what ``begin`` raises (the plain ``begin`` where nothing was sent,
+        or Redis did not know the script yet)."""
+        sid, token, tenant, known = self._call
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            ran, reply = self._store._read(conn)
+            if ran:
+                return self._store._begun(sid, token, reply, known)
+        return self._store.begin(sid, token, tenant=tenant, known=known)
+
+
+class PendingCommit:
+    """A ``SessionStore.commit`` sent (``send_commit``), its reply not read yet."""
+
+    def __init__(self, store: SessionStore, held: Held, state: Mapping[str, Any],
+                 publish: tuple[list[Any], list[Any]], turns_packed: list[bytes] | None, conn: Any) -> None:
+        self._store = store
+        self._call = (held, state, publish, turns_packed)
+        self._conn = conn
+
+    def done(self) -> None:
+        """The reply: returns once the state is written (``held`` updated as by ``commit``), else raises what
+        ``commit`` raises."""
+        held, state, publish, turns_packed = self._call
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            ran, reply = self._store._read(conn)
+            if ran:
+                return self._store._committed(held, state, reply[0])
+        self._store.commit(held, state, publish=publish, turns_packed=turns_packed)
+
+
 def _text(value: Any) -> str:
     """A reply value as text, nil as ""."""
     return "" if value is None else as_str(value)
@@ -410,6 +538,33 @@ def _pack(state: Mapping[str, Any]) -> bytes:
         raise SessionError(f"session {state.get('id')!r} would grow past {MAX_STATE_BYTES} bytes",
                            code="context_length_exceeded", status=400)
     return bytes(raw)
+
+
+def pack_turn(turn: Mapping[str, Any]) -> bytes:
+    """One turn of a state as ``_pack`` writes it inside the state."""
+    return bytes(msgpack.packb(dict(turn), use_bin_type=True))
+
+
+def pack_state(state: Mapping[str, Any], turns_packed: list[bytes]) -> bytes:
+    """``_pack(state)`` with its turns given packed (``pack_turn`` of each of ``state["turns"]``): the same
+    bytes (a map is its header, then each key and value packed in order), without packing the journal
+    again on every commit."""
+    if len(turns_packed) != len(state["turns"]):
+        raise ValueError(f"{len(turns_packed)} packed turns for a state of {len(state['turns'])}")
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(len(state))]
+    for key, value in state.items():
+        parts.append(packer.pack(key))
+        if key == "turns":
+            parts.append(packer.pack_array_header(len(turns_packed)))
+            parts.extend(turns_packed)
+        else:
+            parts.append(packer.pack(value))
+    raw = b"".join(parts)
+    if len(raw) > MAX_STATE_BYTES:
+        raise SessionError(f"session {state.get('id')!r} would grow past {MAX_STATE_BYTES} bytes",
+                           code="context_length_exceeded", status=400)
+    return raw
 
 
 def _unpack(sid: str, raw: bytes) -> Any:

@@ -209,8 +209,9 @@ class Routes:
         chosen = self.gateway.chat if kind == CHAT else self.gateway.completion
         serve = functools.partial(chosen, tenant=tenant_of(request))
         if not stream:
-            reply = await serve(sid, body)
-            return web.json_response(reply_body(self.gateway, reply, kind))
+            reply = await serve(sid, body, shape=lambda r: json.dumps(reply_body(self.gateway, r, kind)))
+            text = reply.shaped if reply.shaped is not None else json.dumps(reply_body(self.gateway, reply, kind))
+            return web.Response(text=text, content_type="application/json")  # as web.json_response writes it
         return await self._stream(request, sid, body, kind, serve)
 
     async def _stream(self, request: web.Request, sid: str, body: dict[str, Any], kind: str,

@@ -194,13 +194,15 @@ def first_render(fmt: ChatFormat, messages: Sequence[Message], tools: list[dict[
 
 
 def suffix(fmt: ChatFormat, history: Sequence[Message], new: Sequence[Message], *, last_output: Sequence[int],
-           tools: list[dict[str, Any]] | None) -> Rendered:
+           tools: list[dict[str, Any]] | None, before: str | None = None, made: str | None = None) -> Rendered:
     """Tokens to append after the recorded session for the ``new`` messages, ready for the next reply.
 
     ``history`` ends with the assistant message whose tokens (``last_output``) the engine made. Raises
     ``ChatError`` (code ``template_mismatch``) when the template writes the history differently once the
-    new messages follow it."""
-    before = fmt.render(history, tools=tools, add_generation_prompt=False)
+    new messages follow it. ``before`` and ``made``, when known: ``fmt.render(history, tools=tools,
+    add_generation_prompt=False)`` and ``fmt.decode(last_output)``, rendered and decoded earlier."""
+    if before is None:
+        before = fmt.render(history, tools=tools, add_generation_prompt=False)
     after = fmt.render([*history, *new], tools=tools, add_generation_prompt=True)
     if not after.startswith(before):
         at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after)))
@@ -210,7 +212,8 @@ def suffix(fmt: ChatFormat, history: Sequence[Message], new: Sequence[Message], 
             "session's tokens would no longer be what a fresh render gives, so the call is refused",
             code="template_mismatch", status=409, param="messages", position=at)
     tail = turn_tail(fmt, history[-1], tools)
-    made = fmt.decode(last_output)
+    if made is None:
+        made = fmt.decode(last_output)
     overlap = max((j for j in range(len(tail) + 1) if made.endswith(tail[:j])), default=0)
     text = tail[overlap:] + after[len(before):]
     return Rendered(fmt.encode(text), text)
@@ -239,7 +242,13 @@ _TAILS: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictiona
 
 
 class HFChat:
-    """A Hugging Face model directory's tokenizer and chat template."""
+    """A Hugging Face model directory's tokenizer and chat template.
+
+    Renders with the template compiled as ``transformers`` compiles it, called directly (``DirectTemplate``),
+    and encodes with the Rust tokenizer directly (``direct_encoder``): the same text and ids as
+    ``apply_chat_template`` and the tokenizer's ``__call__``, without their Python wrappers (copying every
+    message, building a ``BatchEncoding``). Either falls back to the wrapper for a tokenizer or a message
+    list it cannot vouch for."""
 
     name = "hf"
 
@@ -252,10 +261,17 @@ class HFChat:
         self.supports_tools = "tools" in template
         self.stop_token_ids = self.tokenizer.stop_token_ids
         self.max_context = int(max_context or _model_context(path) or 2048)
+        self.direct = DirectTemplate.build(self.hf)
+        self._encode = direct_encoder(self.hf)
+        self.deterministic = "strftime_now" not in template
+        """Whether the same messages always render to the same text (no date in the template), so that a render
+        kept from an earlier call is the render this call would make."""
 
     def render(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool) -> str:
         try:
+            if self.direct is not None and plain_messages(messages) and plain_value(tools):
+                return self.direct.render(messages, tools=tools or None, add_generation_prompt=add_generation_prompt)
             text = self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None,  # type: ignore[arg-type]
                                                tokenize=False,
                                                add_generation_prompt=add_generation_prompt)
@@ -264,6 +280,8 @@ class HFChat:
         return str(text)
 
     def encode(self, text: str) -> list[int]:
+        if self._encode is not None:
+            return self._encode(text)
         return [int(t) for t in self.hf(text, add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -271,6 +289,129 @@ class HFChat:
 
     def reply_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+_REASONING_KEYS = frozenset({"reasoning_content", "thinking", "reasoning"})
+_SCALARS = (str, int, float, bool)
+_STR_TYPE = frozenset({str})
+
+
+def plain_value(value: Any) -> bool:
+    """Whether ``value`` is built of exact JSON types only (dict with str keys, list, str, int, float, bool,
+    None), so that ``transformers``' copy of it for the template (``_plain_template_data``) equals it."""
+    kind = type(value)
+    if value is None or kind in _SCALARS:
+        return True
+    if kind is dict:
+        return all(type(k) is str and plain_value(v) for k, v in value.items())
+    if kind is list:
+        return all(plain_value(v) for v in value)
+    return False
+
+
+def plain_messages(messages: Sequence[Message]) -> bool:
+    """Whether ``apply_chat_template`` would hand the template ``messages`` unchanged: each a plain dict with
+    no None value (it drops those) and no reasoning field (it copies those under other names)."""
+    for m in messages:
+        if type(m) is not dict or not _REASONING_KEYS.isdisjoint(m):
+            return False
+        if not set(map(type, m.values())) <= _STR_TYPE and not all(
+                v is not None and plain_value(v) for v in m.values()):
+            return False
+    return True
+
+
+class DirectTemplate:
+    """A tokenizer's chat template as ``apply_chat_template`` renders it (``transformers``' own compiled,
+    sandboxed template, the tokenizer's special tokens as variables), called without the wrapper. Built
+    only where the tokenizer's class renders through ``PreTrainedTokenizerBase.apply_chat_template`` and
+    probe conversations render byte for byte as the wrapper renders them."""
+
+    def __init__(self, hf: Any, compile_template: Any, plain: Any) -> None:
+        self.hf = hf
+        self.templates = {has_tools: compile_template(hf.get_chat_template(None, [] if has_tools else None))
+                          for has_tools in (False, True)}
+        self.variables = plain(dict(hf.special_tokens_map))
+
+    @classmethod
+    def build(cls, hf: Any) -> DirectTemplate | None:
+        try:
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+            from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
+
+            if type(hf).apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template:
+                return None
+            direct = cls(hf, _compile_jinja_template, _plain_template_data)
+        except Exception:  # another transformers, or a tokenizer without one default template: the wrapper
+            return None
+        return direct if all(direct.agrees(messages, tools) for messages, tools in _PROBES) else None
+
+    def render(self, messages: Sequence[Message], *, tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool) -> str:
+        return str(self.templates[tools is not None].render(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+            **self.variables))
+
+    def agrees(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> bool:
+        for generation in (False, True):
+            try:
+                want: str | None = str(self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                                   add_generation_prompt=generation))
+            except Exception:
+                want = None
+            try:
+                got: str | None = self.render(messages, tools=tools, add_generation_prompt=generation)
+            except Exception:
+                got = None
+            if got != want:
+                return False
+        return True
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "arithmetic",
+                                                  "parameters": {"type": "object",
+                                                                 "properties": {"e": {"type": "string"}}}}}]
+_PROBES: list[tuple[list[Message], list[dict[str, Any]] | None]] = [
+    ([{"role": "user", "content": "hi <b>&amp;</b> \u00e9\n"}], None),
+    ([{"role": "system", "content": "be terse"}, {"role": "user", "content": "2+2?"},
+      {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}], None),
+    ([{"role": "user", "content": "12*7?"},
+      {"role": "assistant", "content": "", "tool_calls": [
+          {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{\"e\": \"12*7\"}"}}]},
+      {"role": "tool", "content": "84", "tool_call_id": "c1"}], _PROBE_TOOLS),
+]
+"""Conversations a template must render as the wrapper does before ``DirectTemplate`` replaces it."""
+
+
+def direct_encoder(hf: Any) -> Any:
+    """``text -> ids`` through the Rust tokenizer itself, as ``hf(text, add_special_tokens=False)`` encodes
+    (no padding, no truncation, the tokenizer's ``split_special_tokens``); None where the tokenizer's class
+    encodes in Python of its own, or where probe texts come out otherwise."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    kind = type(hf)
+    if (not isinstance(hf, TokenizersBackend) or kind._encode_plus is not TokenizersBackend._encode_plus
+            or kind.__call__ is not PreTrainedTokenizerBase.__call__ or hasattr(hf, "_switch_to_input_mode")):
+        return None
+    backend = hf.backend_tokenizer
+
+    def encode(text: str) -> list[int]:
+        if (backend.truncation is not None or backend.padding is not None
+                or backend.encode_special_tokens != bool(hf.split_special_tokens)):
+            return [int(t) for t in hf(text, add_special_tokens=False)["input_ids"]]
+        return list(backend.encode(text, add_special_tokens=False).ids)
+
+    specials = "".join(str(t) for t in hf.all_special_tokens)
+    probes = ["", "hello world", " leading space\n\ttabs", "\u00e9\u4e2d\U0001f600", specials, f"a{specials}b c"]
+    try:
+        if all(encode(t) == [int(i) for i in hf(t, add_special_tokens=False)["input_ids"]] for t in probes):
+            return encode
+    except Exception:
+        return None
+    return None
 
 
 def _model_context(path: str) -> int | None:
@@ -289,6 +430,7 @@ class CharChat:
 
     name = "char"
     supports_tools = False
+    deterministic = True
 
     def __init__(self, *, max_context: int = 512) -> None:
         from rollout_bus.lm import tokenizer

@@ -11,6 +11,10 @@ the first differing message, the field that differs and the token position where
 tokens begin; the client starts a new session instead. Refusing, rather than branching the session,
 keeps one session one trajectory: a sample is never a splice of two histories.
 
+A gateway that served a session's last turn keeps a ``Memo`` of it (the recorded messages, the tokens and
+the template's text of the history): derived from that one committed state and equal to what the full path
+derives from it, so a call planned with the memo appends the same ids as one planned without.
+
 ``position`` counts the turns of the journal the current attempt of the episode has reached. A
 retried episode (its executor died) reopens the session with ``position`` 0: each call whose new
 messages and parameters equal the journal's next turn is answered from it, with the same tokens and
@@ -32,6 +36,7 @@ from rollout_bus.gateway.chat import (
     ChatFormat,
     Message,
     Rendered,
+    canonical,
     canonical_messages,
     first_render,
     suffix,
@@ -72,6 +77,56 @@ class Plan:
     journal, the session unchanged, so a client's retry never makes a second trajectory."""
     digest: str = ""
     """The call's parameters (``params_digest``), recorded with the turn so a journal answers only the same call."""
+    memo: Memo | None = None
+    """The memo the call was planned with (``plan_chat``)."""
+
+
+@dataclass
+class Memo:
+    """What the full path derives from one committed state (``state``, by identity) at its position: the
+    recorded messages (``history``; each canonical), the tokens (``tokens``), the template's text of the
+    history without the generation prompt per tool list (``rendered``, filled once known) and the text of
+    the last reply's tokens (``made``)."""
+
+    state: Mapping[str, Any]
+    history: list[Message]
+    tokens: list[int]
+    rendered: dict[str, str] = field(default_factory=dict)
+    made: str | None = None
+    packed: list[bytes] | None = None
+    """The state's turns as its commit packed them (``events.sessions.pack_turn``), where known."""
+
+    def fits(self, state: Mapping[str, Any]) -> bool:
+        return self.state is state
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any]) -> Memo | None:
+        """A memo of a state read whole (from the bus): None when its recorded messages are not all in
+        canonical form (only canonical messages can stand in for the ones a client sends)."""
+        recorded = history(state)
+        try:
+            if not all(type(m) is dict and canonical(m, "") == m for m in recorded):
+                return None
+        except ChatError:
+            return None
+        return cls(state, recorded, tokens(state))
+
+
+def memo_after(state: Mapping[str, Any], plan: Plan, turn: Mapping[str, Any], *,
+               packed: list[bytes] | None = None) -> Memo | None:
+    """The memo of ``state``, the state after ``plan`` (planned with a memo) made ``turn`` (its reply in
+    canonical form); None for a plan without one, or one that did not append a turn at the memo's position.
+    ``packed``: ``state``'s turns as its commit packed them."""
+    memo = plan.memo
+    if (memo is None or plan.kind != CHAT or plan.journal is not None or plan.turn != memo.state["position"]
+            or state["position"] != plan.turn + 1):
+        return None
+    return Memo(state, [*memo.history, *plan.new, turn["reply"]], [*plan.context, *turn["output_ids"]],
+                packed=packed)
+
+
+def tools_key(tools: list[dict[str, Any]] | None) -> str:
+    return json.dumps(tools, sort_keys=True) if tools else ""
 
 
 def params_digest(params: Mapping[str, Any]) -> str:
@@ -120,17 +175,36 @@ def _token_position(state: Mapping[str, Any], upto: int, message_index: int) -> 
 
 
 def plan_chat(fmt: ChatFormat, state: Mapping[str, Any], raw_messages: Any, *,
-              tools: list[dict[str, Any]] | None, digest: str) -> Plan:
-    plan = _plan_chat(fmt, state, raw_messages, tools=tools, digest=digest)
+              tools: list[dict[str, Any]] | None, digest: str, memo: Memo | None = None) -> Plan:
+    """What a chat call does to the session; ``memo`` (of this very ``state``) spares rebuilding the history,
+    the tokens and the history's render, and gives the same plan."""
+    if memo is not None and not memo.fits(state):
+        memo = None
+    plan = _plan_chat(fmt, state, raw_messages, tools=tools, digest=digest, memo=memo)
     plan.digest = digest
+    plan.memo = memo
     return plan
 
 
+def canonical_against(raw_messages: Any, recorded: Sequence[Message]) -> list[Message]:
+    """``canonical_messages(raw_messages)`` where ``recorded`` holds canonical messages: a message equal to
+    the recorded one at its index is that one (``canonical`` of it gives it back, and raises nothing)."""
+    if not isinstance(raw_messages, list) or not raw_messages:
+        return canonical_messages(raw_messages)
+    n = len(recorded)
+    return [recorded[i] if i < n and m == recorded[i] else canonical(m, f"messages[{i}]")
+            for i, m in enumerate(raw_messages)]
+
+
 def _plan_chat(fmt: ChatFormat, state: Mapping[str, Any], raw_messages: Any, *,
-               tools: list[dict[str, Any]] | None, digest: str) -> Plan:
-    messages = canonical_messages(raw_messages)
+               tools: list[dict[str, Any]] | None, digest: str, memo: Memo | None) -> Plan:
     pos = state["position"]
-    recorded = history(state, pos)
+    if memo is not None:
+        recorded = memo.history
+        messages = canonical_against(raw_messages, recorded)
+    else:
+        messages = canonical_messages(raw_messages)
+        recorded = history(state, pos)
     if pos and messages == recorded[:-1] and state["turns"][pos - 1].get("params") == digest:
         last = state["turns"][pos - 1]
         return Plan(CHAT, list(last["messages"]), list(last["new_ids"]), tokens(state, pos - 1) + list(last["new_ids"]),
@@ -165,9 +239,16 @@ def _plan_chat(fmt: ChatFormat, state: Mapping[str, Any], raw_messages: Any, *,
                     journal=journal, history=recorded)
     if pos == 0:
         rendered = first_render(fmt, new, tools)
+    elif memo is not None:
+        last_output = state["turns"][pos - 1]["output_ids"]
+        if memo.made is None:
+            memo.made = fmt.decode(last_output)
+        rendered = suffix(fmt, recorded, new, last_output=last_output, tools=tools,
+                          before=memo.rendered.get(tools_key(tools)), made=memo.made)
     else:
         rendered = suffix(fmt, recorded, new, last_output=state["turns"][pos - 1]["output_ids"], tools=tools)
-    return _generate_plan(state, CHAT, new, rendered, pos, discarded, recorded)
+    return _generate_plan(state, CHAT, new, rendered, pos, discarded, recorded,
+                          have=memo.tokens if memo is not None else None)
 
 
 def plan_completion(fmt: ChatFormat, state: Mapping[str, Any], prompt: Any, *, digest: str) -> Plan:
@@ -225,8 +306,8 @@ def _journal_turn(state: Mapping[str, Any], kind: str, new: list[Any], digest: s
 
 
 def _generate_plan(state: Mapping[str, Any], kind: str, new: list[Any], rendered: Rendered, pos: int,
-                   discarded: int, recorded: list[Message]) -> Plan:
-    context = tokens(state, pos) + rendered.ids
+                   discarded: int, recorded: list[Message], have: list[int] | None = None) -> Plan:
+    context = (tokens(state, pos) if have is None else have) + rendered.ids
     if len(context) >= state["max_context"]:
         raise ContextOverflow(len(context) + 1, state["max_context"])
     return Plan(kind, new, rendered.ids, context, pos, discarded=discarded, history=recorded)
