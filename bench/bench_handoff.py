@@ -11,6 +11,11 @@ batch decoded and has touched every 4 KiB page; medians over ``--reps`` after wa
   The redis store runs over TCP and, as an extra row, over a unix socket.
 * ``shm store, unverified``: the default shm store whose consumer skips the checksum
   check, beside the verified one: what that guarantee costs on this path.
+* ``memfd`` (``memfd-put``): the memfd store, the producer building the batch in place (publishing
+  its tensors), each twice: in fresh segments, their pages faulted in while the batch waits (pool
+  off), and in segments its pool prepared ahead of need (``memfd-pool``, ``memfd-put-pool``; each
+  round waits for the pool to refill after its hand-off, outside the timing, and the pool's own
+  time is printed).
 * ``ray``: ``ray.put`` of the four numpy arrays in the producer, ``ray.get`` in an actor
   (skipped if ray cannot be imported or started).
 
@@ -178,8 +183,9 @@ def store_consumer(url: str, namespace: str, spec: str, out: Any, stop: Any, ver
 class StorePath:
     """``BatchChannel.publish`` here, ``Consumer.read`` + ``BatchChannel.fetch`` + touch in another process."""
 
-    def __init__(self, url: str, spec: str, tensors: dict[str, Any], verify: bool) -> None:
-        self.url, self.spec, self.tensors, self.verify = url, spec, tensors, verify
+    def __init__(self, url: str, spec: str, tensors: dict[str, Any], verify: bool, pool: int | None = None) -> None:
+        """``pool``: for the memfd store, how many segments its pool prepares (0: none; None: its default)."""
+        self.url, self.spec, self.tensors, self.verify, self.pool = url, spec, tensors, verify, pool
 
     def start(self) -> None:
         import uuid
@@ -193,7 +199,13 @@ class StorePath:
         self.namespace = f"bench{uuid.uuid4().hex[:6]}"
         self.client = bus_client(self.url)
         keys = Keys(self.namespace)
-        self.store = make_store(self.spec, self.client, keys)
+        if self.pool is None:
+            self.store = make_store(self.spec, self.client, keys)
+        else:  # the memfd store with a pool of its own size (settings no spec carries)
+            from rollout_bus.events.payload.memfd import MemfdStore
+            from rollout_bus.events.payload.memfd_segments import MemfdSettings
+
+            self.store = MemfdStore(keys, settings=MemfdSettings(pool_segments=self.pool))
         self.channel = BatchChannel(self.client, keys, self.store, Publisher(self.client, keys, Producer("bench", "p0")))
         ctx = mp.get_context("spawn")
         self.q: Any = ctx.Queue()
@@ -207,7 +219,25 @@ class StorePath:
         t0 = time.perf_counter()
         self.channel.publish(POLICY, f"b{i}", self.tensors, {"rep": i})
         t1 = time.perf_counter()
-        return self.q.get(timeout=60) - t0, t1 - t0
+        done = self.q.get(timeout=60)
+        self.refill()
+        return done - t0, t1 - t0
+
+    def refill(self) -> None:
+        """Wait, outside the timing, for a memfd store's pool to prepare the next segments."""
+        pool = getattr(self.store, "pool", None)
+        if pool is not None and self.pool:
+            pool.wait_idle(30)
+
+    def pool_line(self) -> str | None:
+        """A memfd pool's hits, misses and the time it took to prepare a segment (off the batch's path)."""
+        pool = getattr(self.store, "pool", None)
+        if pool is None or not self.pool:
+            return None
+        st = pool.stats
+        prep = f"{statistics.median(st.prepare_s) * 1e3:.1f}" if st.prepare_s else "-"
+        return (f"{st.hits} batches took a prepared segment, {st.misses} a fresh one; preparing one took "
+                f"{prep} ms (median, in the pool's thread)")
 
     def stop(self) -> None:
         self.stop_flag.set()
@@ -237,7 +267,9 @@ class DraftPath(StorePath):
             torch.Tensor.copy_(draft[k], t)
         self.channel.publish(POLICY, f"b{i}", draft)
         t1 = time.perf_counter()
-        return self.q.get(timeout=60) - t0, t1 - t0
+        done = self.q.get(timeout=60)
+        self.refill()
+        return done - t0, t1 - t0
 
 
 # --- ray -----------------------------------------------------------------------------------
@@ -285,8 +317,11 @@ class RayPath:
 LABELS = {"tcp": "tcp floor (loopback)", "redis": "redis store (tcp)", "redis-unix": "redis store (unix socket)",
           "shm": "shm store (/dev/shm)", "shm-shared": "shm store, reads=shared",
           "shm-unverified": "shm store, unverified", "memfd": "memfd store, built in place",
-          "memfd-put": "memfd store, publish copies", "file": "file store (tmp dir)",
+          "memfd-pool": "memfd store, pooled, built in place", "memfd-put": "memfd store, publish copies",
+          "memfd-put-pool": "memfd store, pooled, publish copies", "file": "file store (tmp dir)",
           "ray": "ray object store"}
+TWINS = {"memfd": "memfd-pool", "memfd-put": "memfd-put-pool"}
+"""``--only memfd`` runs the pooled row beside the unpooled one (and so for ``memfd-put``)."""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -300,7 +335,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--redis-spec", default="redis", help="store spec of the redis rows, e.g. redis?window=8")
     args = ap.parse_args(argv)
     verify = not args.no_verify
-    wanted = [name for name in LABELS if name in set(args.only.split(","))]
+    asked = set(args.only.split(","))
+    asked |= {TWINS[name] for name in asked if name in TWINS}
+    wanted = [name for name in LABELS if name in asked]
 
     from rollout_bus.events.embedded import RedisServer
 
@@ -321,8 +358,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shm": lambda: StorePath(server.url, "shm", tensors, verify),
         "shm-shared": lambda: StorePath(server.url, "shm?reads=shared", tensors, verify),
         "shm-unverified": lambda: StorePath(server.url, "shm", tensors, False),
-        "memfd": lambda: DraftPath(server.url, "memfd", tensors, verify),
-        "memfd-put": lambda: StorePath(server.url, "memfd", tensors, verify),
+        "memfd": lambda: DraftPath(server.url, "memfd", tensors, verify, pool=0),
+        "memfd-pool": lambda: DraftPath(server.url, "memfd", tensors, verify, pool=2),
+        "memfd-put": lambda: StorePath(server.url, "memfd", tensors, verify, pool=0),
+        "memfd-put-pool": lambda: StorePath(server.url, "memfd", tensors, verify, pool=2),
         "file": lambda: StorePath(server.url, f"file:{file_root}", tensors, verify),
         "ray": lambda: RayPath(tensors),
     }
@@ -350,6 +389,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     totals[name].append(total)
                     if publish is not None:
                         publishes[name].append(publish)
+        pool_lines = {name: line for name, path in paths.items()
+                      if (line := getattr(path, "pool_line", lambda: None)()) is not None}
     finally:
         for path in paths.values():
             path.stop()
@@ -363,15 +404,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     floor, ray_ms = med.get("tcp"), med.get("ray")
     print(f"{load.describe()} while it ran")
     print()
-    print(f"{'path':28} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'GB/s':>6} {'publish ms':>11} {'x tcp':>6} "
+    print(f"{'path':36} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'GB/s':>6} {'publish ms':>11} {'x tcp':>6} "
           f"{'x ray':>6}")
     for name in totals:
         m = med[name]
         pub = f"{statistics.median(publishes[name]) * 1e3:.1f}" if publishes[name] else "-"
         xt = f"{m / floor:.2f}" if floor else "-"
         xr = f"{m / ray_ms:.2f}" if ray_ms else "-"
-        print(f"{LABELS[name]:28} {m:10.1f} {min(totals[name]) * 1e3:8.1f} {max(totals[name]) * 1e3:8.1f} "
+        print(f"{LABELS[name]:36} {m:10.1f} {min(totals[name]) * 1e3:8.1f} {max(totals[name]) * 1e3:8.1f} "
               f"{nbytes / m / 1e6:6.2f} {pub:>11} {xt:>6} {xr:>6}")
+    for name, line in pool_lines.items():
+        print(f"{LABELS[name]}: {line}")
     for line in skipped:
         print(f"skipped {line}")
     print()
@@ -382,10 +425,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows.append(Row("handoff 64 MiB", f"{LABELS[name]} / tcp floor, time",
                                 paired_ratios(totals[name], totals["tcp"]),
                                 Target("<=", 2.0) if name == "redis" else None, load))
-    for name in ("memfd", "memfd-put", "shm", "shm-shared", "shm-unverified"):
+    for name in ("memfd", "memfd-pool", "memfd-put", "memfd-put-pool", "shm", "shm-shared", "shm-unverified"):
         if name not in totals:
             continue
-        target = Target("<", 1.0) if name in ("shm", "memfd") else None
+        target = Target("<", 1.0) if name in ("shm", "memfd", "memfd-pool") else None
         if "ray" in totals:
             rows.append(Row("handoff 64 MiB", f"{LABELS[name]} / ray, time", paired_ratios(totals[name], totals["ray"]),
                             target, load))

@@ -3,8 +3,8 @@
 A producer builds a batch in a fresh ``memfd`` (``allocate``: its tensors are views of the
 segment), then ``seal`` unmaps its writable mapping and adds ``F_SEAL_WRITE | F_SEAL_SHRINK |
 F_SEAL_GROW | F_SEAL_SEAL``: from then on no process, the producer included, can change, shrink
-or grow those bytes. ``put`` (an already encoded batch) writes it into a fresh segment with
-``pwritev``, unhashed, and seals it the same way. The sealed segment's descriptor goes
+or grow those bytes. ``put`` (an already encoded batch) writes it into a fresh segment, unhashed,
+and seals it the same way. The sealed segment's descriptor goes
 (``SCM_RIGHTS``) to the producer's segment server (``segment_server.py``, a small process of its
 own started on first use), which hands it to readers that ask over an abstract unix socket of
 the producer's user.
@@ -22,6 +22,11 @@ by age, and the server drops segments whose ``ttl_s`` ran out by itself. A produ
 is killed leaves its server serving what it holds until each is released or expires; the server
 then exits. Segments are never reused (a sealed segment cannot be written again): each batch costs
 fresh pages, where the ``shm`` store recycles files but must checksum every batch.
+
+Fresh pages need not be paid for while a batch waits: ``allocate`` and ``put`` take a segment that
+the store's ``SegmentPool`` prepared ahead of need when one fits (``memfd_segments.py``; settings
+in ``MemfdSettings``), and make a fresh one otherwise. A prepared segment is a fresh memfd that no
+other process has seen, sealed like any other: the guarantee is the same.
 """
 
 from __future__ import annotations
@@ -46,13 +51,20 @@ from rollout_bus.events.errors import DecodeError, PayloadMissing
 from rollout_bus.events.names import Keys
 from rollout_bus.events.payload.base import BatchDraft, PayloadBuffer, PayloadStore, Reference, check_ref
 from rollout_bus.events.payload.file import write_all
+from rollout_bus.events.payload.memfd_segments import (
+    MemfdSettings,
+    SegmentPool,
+    new_memfd,
+    new_segment,
+    trim,
+    use_huge_pages,
+)
 from rollout_bus.events.payload.segment_server import MAX_MESSAGE, address, peer_uid
 
 log = logging.getLogger(__name__)
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 """The seals a reader requires before it reads a segment without a checksum."""
-MADV_POPULATE_WRITE = 23
 SERVER_START_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
 """How long a request waits for a segment server's answer before the payload counts as missing."""
@@ -64,26 +76,6 @@ def check_server(name: Any) -> str:
     if not isinstance(name, str) or not _SERVER_NAME_RE.fullmatch(name):
         raise DecodeError(f"memfd segment server name {name!r} is not 8-32 hex digits")
     return name
-
-
-def new_memfd(label: str) -> int:
-    """A fresh, empty, sealable memfd named ``rollout-bus:<label>`` (as ``/proc`` shows it)."""
-    return os.memfd_create(f"rollout-bus:{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-
-
-def new_segment(label: str, nbytes: int) -> tuple[int, mmap.mmap]:
-    """A fresh sealable memfd of ``nbytes`` (see ``new_memfd``) and a writable shared mapping of it, every
-    page allocated."""
-    fd = new_memfd(label)
-    try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    with contextlib.suppress(OSError, ValueError):
-        mm.madvise(MADV_POPULATE_WRITE)  # allocate every page in one call rather than one fault each
-    return fd, mm
 
 
 def seal(fd: int) -> None:
@@ -98,10 +90,13 @@ def is_sealed(fd: int) -> bool:
 class MemfdStore(PayloadStore):
     name: ClassVar[str] = "memfd"
 
-    def __init__(self, keys: Keys, *, server: str | None = None) -> None:
+    def __init__(self, keys: Keys, *, server: str | None = None, settings: MemfdSettings | None = None) -> None:
         """A store that starts a segment server of its own on its first write; with ``server``, a client
         of that (another process's) server, e.g. for a janitor deleting what the index says lives there."""
         self.keys = keys
+        self.settings = settings or MemfdSettings()
+        self.pool = SegmentPool(self.settings)
+        """Segments prepared ahead of need (its thread starts once ``pool_after`` batches were written)."""
         self.host = socket.gethostname()
         self.fallback: PayloadStore | None = None
         """Where a batch goes when one of its readers is on another host (``memfd?fallback=redis``)."""
@@ -191,22 +186,41 @@ class MemfdStore(PayloadStore):
 
     # --- writing -----------------------------------------------------------------------
     def allocate(self, layout: Layout, meta: dict[str, Any]) -> BatchDraft:
-        fd, mm = new_segment(f"{self._server()}:draft", layout.nbytes)
+        """A draft in a prepared segment of the pool, or in a fresh one when none fits (pages faulted in now)."""
+        server = self._server()
+        prepared = self.pool.take(f"{server}:pool", layout.nbytes)
+        if prepared is not None:
+            fd, mm = prepared.fd, prepared.mm
+        else:
+            fd, mm = new_segment(f"{server}:draft", layout.nbytes, huge=use_huge_pages(self.settings, layout.nbytes)[0])
         mm[:len(layout.head)] = layout.head
         return BatchDraft(layout, meta, layout.tensors(mm), store=self, segment=(fd, mm))
 
     def put(self, ref: str, batch: EncodedBatch, ttl_s: int) -> Reference:
-        """Write an encoded batch into a fresh segment with ``pwritev`` (no mapping to set up and tear
-        down before sealing, no page zeroed before it is overwritten: half the kernel's work of a
-        mapped copy here) and seal it. Not hashed: its header says so, and readers check the seals."""
+        """Write an encoded batch into a segment the pool prepared (through its mapping), or else into a
+        fresh one with ``pwritev`` (no mapping to set up and tear down before sealing, no page zeroed
+        before it is overwritten: half the kernel's work of a mapped copy into fresh pages here), and
+        seal it. Not hashed: its header says so, and readers check the seals."""
         server = self._server()
-        fd = new_memfd(f"{server}:{ref}")
+        prepared = self.pool.take(f"{server}:pool", batch.nbytes)
+        fd = new_memfd(f"{server}:{ref}") if prepared is None else prepared.fd
         try:
-            write_all(fd, [batch.unhashed_header(), *batch.buffers[1:]], 0)
+            if prepared is None:
+                write_all(fd, [batch.unhashed_header(), *batch.buffers[1:]], 0)
+            else:  # pages allocated and mapped already: copy through the mapping (a huge-page segment takes no write)
+                with prepared.mm as mm:
+                    offset = 0
+                    for buffer in [batch.unhashed_header(), *batch.buffers[1:]]:
+                        view = memoryview(buffer).cast("B")
+                        mm[offset:offset + view.nbytes] = view
+                        offset += view.nbytes
+                trim(fd, batch.nbytes)
             seal(fd)
-            return self._add(server, ref, fd, batch.nbytes, ttl_s)
+            reference = self._add(server, ref, fd, batch.nbytes, ttl_s)
         finally:
             os.close(fd)
+        self.pool.refill()
+        return reference
 
     def seal(self, ref: str, draft: BatchDraft, ttl_s: int) -> Reference:
         """Publish a draft this store allocated: unmap it and seal it, or, while a tensor of the draft is
@@ -221,16 +235,19 @@ class MemfdStore(PayloadStore):
                             "(drop the draft's tensors before publishing to seal it in place)", ref)
                 fd2 = new_memfd(f"{server}:{ref}")
                 try:
-                    write_all(fd2, [memoryview(mm)], 0)
+                    write_all(fd2, [memoryview(mm)[:draft.layout.nbytes]], 0)
                 except BaseException:
                     os.close(fd2)
                     raise
                 os.close(fd)
                 fd = fd2
+            trim(fd, draft.layout.nbytes)  # a pooled segment may be larger than its batch
             seal(fd)
-            return self._add(server, ref, fd, draft.layout.nbytes, ttl_s)
+            reference = self._add(server, ref, fd, draft.layout.nbytes, ttl_s)
         finally:
             os.close(fd)
+        self.pool.refill()
+        return reference
 
     def _add(self, server: str, ref: str, fd: int, nbytes: int, ttl_s: int) -> Reference:
         """Hand a sealed segment to this store's server (a fresh one if the last is gone: killed, say)."""
@@ -268,7 +285,15 @@ class MemfdStore(PayloadStore):
             size = os.fstat(fd).st_size
             if nbytes > size:
                 raise DecodeError(f"memfd payload {ref}: reference says {nbytes} bytes, segment holds {size}")
-            mm = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+            try:
+                mm = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                # a huge-page segment: a private mapping of it reserves as many free huge pages, and
+                # there are not enough; read it through a shared read-only mapping into ordinary memory
+                with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as shared:
+                    return bytearray(shared), sealed
         finally:
             os.close(fd)
         return memoryview(mm), sealed
@@ -291,7 +316,10 @@ class MemfdStore(PayloadStore):
         return int(words[1]) if len(words) == 2 and words[0] == b"OK" else 0
 
     def close(self) -> None:
-        """Close connections; the server keeps serving what it holds, and exits once it holds nothing."""
+        """Free the pool's prepared segments and close connections; the server keeps serving what it holds,
+        and exits once it holds nothing."""
+        self.pool.close()
+        self.pool = SegmentPool(self.settings)  # this store may write again: its pool starts over
         with self._lock:
             for conn in self._conns.values():
                 conn.close()
