@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
 from typing import Any
@@ -342,6 +342,7 @@ class Result:
     pub_cpu_us: float  # CPU time per event of the publisher process, the consumer process, redis-server
     sub_cpu_us: float
     server_cpu_us: float
+    commands_us: dict[str, float] = field(default_factory=dict)  # INFO commandstats: usec per event per command
 
     @property
     def total_cpu_us(self) -> float:
@@ -386,6 +387,7 @@ def run_once(job: Job, server_pid: int) -> Result:
     try:
         if not (ready_sub.wait(60) and ready_pub.wait(60)):
             raise RuntimeError("bench processes did not start")
+        client.config_resetstat()  # commandstats of this run alone (the scripts are loaded, the group made)
         server_cpu0 = process_cpu_s(server_pid)
         go.set()
         got = {kind: rest for kind, *rest in (out.get(timeout=TIMEOUT_S + 10) for _ in range(2))}
@@ -401,11 +403,30 @@ def run_once(job: Job, server_pid: int) -> Result:
     if len(lat) != job.n:
         raise RuntimeError(f"{job.path}: consumer got {len(lat)} of {job.n} events")
     q = statistics.quantiles(lat, n=1000)
+    commands = command_usec(client.info("commandstats"), job.n)
     client.flushdb()  # the stream, its dedupe keys: each run starts from an empty server
     client.close()
     per_event_us = 1e6 / job.n
     return Result(job.path, job.n / ((sub_end - t0) / 1e9), q[499] / 1e6, q[989] / 1e6, q[998] / 1e6,
-                  pub_cpu * per_event_us, sub_cpu * per_event_us, server_cpu * per_event_us)
+                  pub_cpu * per_event_us, sub_cpu * per_event_us, server_cpu * per_event_us, commands)
+
+
+def command_usec(stats: dict[str, Any], n: int) -> dict[str, float]:
+    """``INFO commandstats`` as usec per event of each command (a script's own commands counted apart from
+    it, inside its time); the bench's own bookkeeping left out."""
+    out = {}
+    for name, st in stats.items():
+        cmd = name.removeprefix("cmdstat_")
+        if cmd.split("|")[0] not in ("config", "info", "flushdb", "script", "client", "hello", "ping"):
+            out[cmd] = st["usec"] / n
+    return out
+
+
+def commands_line(results: list[Result], top: int = 6) -> str:
+    """The median usec per event of the commands the runs of one path spent most in."""
+    names = {c for r in results for c in r.commands_us}
+    meds = {c: statistics.median(r.commands_us.get(c, 0.0) for r in results) for c in names}
+    return " ".join(f"{c} {v:.2f}" for c, v in sorted(meds.items(), key=lambda kv: -kv[1])[:top])
 
 
 def wire_sizes(size: int) -> tuple[int, int]:
@@ -535,6 +556,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {path:9s} {med(sat, path, 'rate'):9,.0f} msg/s (spread {spread(sat, path, 'rate')})   "
               f"cpu/event us: pub {med(sat, path, 'pub_cpu_us'):5.1f} sub {med(sat, path, 'sub_cpu_us'):5.1f} "
               f"redis {med(sat, path, 'server_cpu_us'):5.1f} sum {med(sat, path, 'total_cpu_us'):5.1f}")
+        print(f"  {'':9s} redis commandstats us/event: {commands_line(sat[path])}")
     for f, res in fixed.items():
         print(f"fixed offered load {f:g} x twin saturation = {f * twin_rate:,.0f} msg/s "
               f"(medians of {args.reps}; {fixed_load.describe()}):")
