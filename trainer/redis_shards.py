@@ -88,6 +88,10 @@ class Shard:
     rollouts: RolloutClient
     weights: WeightPublisher
     up: bool = True
+    """Not lost (a lost shard takes nothing until it rejoins)."""
+    suspect: bool = False
+    """Up, but its last probe or call failed: left out (its client abandoned, so no call waits on it) until it
+    answers again (a new client) or is lost."""
     lost_reason: str = ""
     unreachable_since: float | None = None
     reachable_since: float | None = None
@@ -146,17 +150,25 @@ class ShardSet:
 
     # --- which shards -------------------------------------------------------------------
     def live(self) -> list[Shard]:
-        return [s for s in self.shards if s.up]
+        """The shards calls go to now: up and answering."""
+        return [s for s in self.shards if s.up and not s.suspect]
 
     def require_live(self) -> list[Shard]:
-        live = self.live()
-        if not live:
-            raise BusUnavailable("every Redis shard of this trainer is lost: "
-                                 + "; ".join(f"shard {s.index} ({s.url}): {s.lost_reason}" for s in self.shards))
-        return live
+        """``live``, waiting while every shard left is only suspect (each answers again or is lost within
+        ``lost_after_s``); ``BusUnavailable`` once every shard is lost."""
+        while True:
+            live = self.live()
+            if live:
+                return live
+            if not any(s.up for s in self.shards):
+                raise BusUnavailable("every Redis shard of this trainer is lost: "
+                                     + "; ".join(f"shard {s.index} ({_redact(s.url)}): {s.lost_reason}"
+                                                 for s in self.shards))
+            time.sleep(min(0.05, self.settings.probe_s))
+            self.handle()
 
     def describe(self) -> str:
-        return ", ".join(f"{s.index}={'up' if s.up else 'lost'}" for s in self.shards)
+        return ", ".join(f"{s.index}={'lost' if not s.up else 'suspect' if s.suspect else 'up'}" for s in self.shards)
 
     # --- start and stop -----------------------------------------------------------------
     def start(self, join: Callable[[Shard], None]) -> None:
@@ -179,13 +191,25 @@ class ShardSet:
             client.close()
 
     # --- failures -----------------------------------------------------------------------
+    def suspend(self, shard: Shard, exc: BaseException | str) -> None:
+        """A call on ``shard`` failed as an unreachable shard's calls do: leave it out until the monitor finds it
+        answering again (a new client) or lost (its requests moved)."""
+        if shard.up and not shard.suspect:
+            self._suspect(shard, str(exc))
+
+    def _suspect(self, shard: Shard, reason: str) -> None:
+        shard.suspect = True
+        abandon(shard.client)  # a call waiting in a reconnect loop there gives up at its next try
+        log.warning("Redis shard %d (%s) does not answer (%s): left out until it does, lost after %.1fs (%s)",
+                    shard.index, _redact(shard.url), reason, self.settings.lost_after_s, self.describe())
+
     def lose(self, shard: Shard, exc: BaseException | str) -> None:
-        """A call on ``shard`` failed as a lost shard's calls do: take it out now (the trainer's thread)."""
+        """Take ``shard`` out for good now: its requests in flight go to the live shards."""
         if shard.up:
             self._lose(shard, str(exc))
 
     def _lose(self, shard: Shard, reason: str) -> None:
-        shard.up = False
+        shard.up, shard.suspect = False, False
         shard.lost_reason = reason
         shard.reachable_since = None
         abandon(shard.client)  # calls still waiting in its guards' reconnect loops give up at their next try
@@ -202,12 +226,24 @@ class ShardSet:
             found, self._events = self._events, []
         for what, index, reason in found:
             shard = self.shards[index]
-            if what == "lost" and shard.up:
+            if what == "suspect" and shard.up:
+                log.warning("Redis shard %d (%s) does not answer (%s): left out until it does, lost after %.1fs "
+                            "(%s)", shard.index, _redact(shard.url), reason, self.settings.lost_after_s,
+                            self.describe())
+            elif what == "lost" and shard.up:
                 self._lose(shard, reason)
-            elif what == "back" and not shard.up:
+            elif what == "back" and (not shard.up or shard.suspect):
                 self._rejoin(shard)
 
     def _rejoin(self, shard: Shard) -> None:
+        """A new client for a shard answering again (lost, or only suspect: its requests are still queued there,
+        and the batches its old client held come back to the new one, the same consumer)."""
+        old = shard.rollouts
+        abandon(shard.client)
+        try:
+            old.stop()  # its lease renewal, its buffer (redelivered to the new client), its payload reader
+        except PROBE_ERRORS as exc:
+            log.debug("shard %d: the old client stopped with %s", shard.index, exc)
         client = self.connect(shard.url)
         rollouts, weights = self.factory(shard.index, shard.url, client)
         candidate = replace(shard, client=client, rollouts=rollouts, weights=weights)
@@ -221,10 +257,12 @@ class ShardSet:
             abandon(client)
             return
         shard.client, shard.rollouts, shard.weights = client, rollouts, weights
-        shard.epoch, shard.up, shard.lost_reason, shard.unreachable_since = candidate.epoch, True, "", None
+        was = "lost" if not shard.up else "not answering"
+        shard.epoch, shard.up, shard.suspect, shard.lost_reason = candidate.epoch, True, False, ""
+        shard.unreachable_since = None
         self.stats.rejoined += 1
-        log.warning("Redis shard %d (%s) is back: it takes requests again (%s)", shard.index, _redact(shard.url),
-                    self.describe())
+        log.warning("Redis shard %d (%s), %s, is back: it takes requests again (%s)", shard.index,
+                    _redact(shard.url), was, self.describe())
 
     # --- the monitor --------------------------------------------------------------------
     def _probe(self, index: int, url: str) -> BusEpoch:
@@ -258,15 +296,20 @@ class ShardSet:
             return
         if reachable:
             shard.unreachable_since = None
-            if not shard.up:
+            if not shard.up or shard.suspect:
                 shard.reachable_since = shard.reachable_since or now
                 if now - shard.reachable_since >= self.settings.rejoin_after_s:
                     self._found("back", shard, "")
             return
         shard.reachable_since = None
         shard.unreachable_since = shard.unreachable_since or now
+        if shard.up and not shard.suspect:
+            # from the first failed look: no call of the trainer waits on it (the trainer's thread, at its next
+            # call, sees it left out); the requests stay there until it is lost
+            shard.suspect = True
+            abandon(shard.client)
+            self._found("suspect", shard, "a probe found it unreachable")
         if shard.up and now - shard.unreachable_since >= self.settings.lost_after_s:
-            abandon(shard.client)  # unblock the trainer's thread if it waits on this shard
             self._found("lost", shard, f"unreachable for {now - shard.unreachable_since:.1f}s")
 
     def _found(self, what: str, shard: Shard, reason: str) -> None:
@@ -286,7 +329,7 @@ class ShardedLease:
             try:
                 shard.rollouts.lease.verify()
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
+                self.shards.suspend(shard, exc)
         self.shards.require_live()
 
     def check(self) -> None:
@@ -347,7 +390,7 @@ class ShardedClient(Handing):
             try:
                 request = shard.rollouts.request(rollout_id, request_id, timeout_s=timeout_s, returned=returned)
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
+                self.shards.suspend(shard, exc)
                 continue
             self._note(rollout_id, shard, request)
             return request
@@ -358,14 +401,15 @@ class ShardedClient(Handing):
         stats[shard.index] = stats.get(shard.index, 0) + 1
 
     def _resubmit_from(self, lost: Shard) -> None:
-        """The requests in flight on a lost shard, unchanged (a fresh deadline if theirs is near), elsewhere."""
+        """The requests in flight on a lost shard, unchanged (a fresh deadline if theirs is near), elsewhere; with
+        no shard up, they wait for one to come back (``poll`` moves them then)."""
         held = {b.request_id for b in lost.rollouts.buffered()}  # their batches are here already
         moved = []
         for rollout_id, p in sorted(self.pending.items()):
             if p.shard != lost.index or p.request.request_id in held:
                 continue
-            if not self.shards.live():
-                log.error("no live shard for request %s: it waits for a shard to come back", p.request.request_id)
+            if not any(s.up for s in self.shards.shards):
+                log.error("no Redis shard is up for request %s: it waits for one to come back", p.request.request_id)
                 return
             request = p.request
             remaining = request.remaining_s()
@@ -377,8 +421,8 @@ class ShardedClient(Handing):
                     target.rollouts.lease.verify()
                     target.rollouts.submitter.submit(request)
                 except SHARD_ERRORS as exc:
-                    self.shards.lose(target, exc)  # its own requests are moved by that call
-                    if not self.shards.live():
+                    self.shards.suspend(target, exc)  # another shard, or this one once it answers again
+                    if not any(s.up for s in self.shards.shards):
                         return
                     continue
                 break
@@ -391,6 +435,10 @@ class ShardedClient(Handing):
     # --- receiving ----------------------------------------------------------------------
     def poll(self, block_ms: int | None = None) -> int:
         self.shards.handle()
+        stranded = {p.shard for p in self.pending.values() if not self.shards.shards[p.shard].up}
+        for index in stranded:  # lost while no other shard was up: moved now that one may be
+            if any(s.up for s in self.shards.shards):
+                self._resubmit_from(self.shards.shards[index])
         live = self.shards.live()
         if not live:
             time.sleep((block_ms if block_ms is not None else self.config.block_ms) / 1000)
@@ -401,7 +449,7 @@ class ShardedClient(Handing):
             try:
                 added += shard.rollouts.poll(share)
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
+                self.shards.suspend(shard, exc)
         return added
 
     def _batches(self) -> Iterator[tuple[Shard, ReceivedBatch]]:
@@ -440,14 +488,14 @@ class ShardedClient(Handing):
 
     def refuse(self, batch: ReceivedBatch, reason: str) -> None:
         shard = self.shards.shards[batch.shard]
-        if shard.up:
+        if shard.up and not shard.suspect:
             try:
                 shard.rollouts.refuse(batch, reason)
                 return
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
-        log.warning("batch %s of lost shard %d refused (%s): not dead-lettered there", batch.batch_id, shard.index,
-                    reason)
+                self.shards.suspend(shard, exc)
+        log.warning("batch %s of shard %d, which does not answer, refused (%s): not dead-lettered there",
+                    batch.batch_id, shard.index, reason)
 
     # --- acknowledging ------------------------------------------------------------------
     def ack(self, batch: ReceivedBatch, *, staleness: int, accepted: bool, reason: str = "") -> None:
@@ -455,15 +503,16 @@ class ShardedClient(Handing):
         if p is not None and p.request.request_id == batch.request_id:
             del self.pending[batch.rollout_id]
         shard = self.shards.shards[batch.shard]
-        if shard.up:
+        if shard.up and not shard.suspect:
             try:
                 shard.rollouts.ack(batch, staleness=staleness, accepted=accepted, reason=reason)
                 return
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
+                self.shards.suspend(shard, exc)
         self.shards.stats.acks_lost += 1
-        log.warning("batch %s came from shard %d, now lost: its ack is not recorded there (if the shard comes back "
-                    "with its data, the batch is delivered again and skipped as done)", batch.batch_id, shard.index)
+        log.warning("batch %s came from shard %d, which does not answer: its ack is not recorded there (if the shard "
+                    "comes back with its data, the batch is delivered again and skipped as done)", batch.batch_id,
+                    shard.index)
 
     def announce(self, stream: str, event: Event, idempotency_key: str) -> None:
         """Publish ``event`` on every live shard, bound to the lease there."""
@@ -471,7 +520,7 @@ class ShardedClient(Handing):
             try:
                 shard.rollouts.announce(stream, event, idempotency_key)
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
+                self.shards.suspend(shard, exc)
 
 
 class ShardedWeights:
@@ -492,7 +541,7 @@ class ShardedWeights:
             try:
                 out.append(fn(shard.weights))
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
+                self.shards.suspend(shard, exc)
         self.shards.require_live()
         return out
 
@@ -505,7 +554,7 @@ class ShardedWeights:
             try:
                 return shard.weights.save(model, version, **kwargs)
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
+                self.shards.suspend(shard, exc)
         raise BusUnavailable("every Redis shard of this trainer is lost: version not saved")
 
     def publish(self, model: Any | None, version: int, **kwargs: Any) -> Published:
@@ -543,7 +592,7 @@ class ShardedWeights:
             except ServingTimeout as exc:
                 raise ServingTimeout(f"shard {shard.index}: {exc}") from None
             except SHARD_ERRORS as exc:
-                self.shards.lose(shard, exc)
+                self.shards.suspend(shard, exc)
         return time.monotonic() - started
 
     def _prune(self) -> None:

@@ -175,24 +175,48 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def test_a_shard_that_stops_answering_is_lost_then_rejoins_when_it_answers_again(keys: Keys, tmp_path: Path) -> None:
-    f = Fleet(keys, tmp_path, ShardSettings(probe_s=0.05, lost_after_s=0.3, rejoin_after_s=0.3))
+    f = Fleet(keys, tmp_path, ShardSettings(probe_s=0.05, lost_after_s=0.5, rejoin_after_s=0.3))
     try:
         for r in range(3):
             f.client.request(r, f.client.request_id("run", r))
         on_b = next(r for r, p in f.client.pending.items() if p.shard == 1)
         f.servers[URLS[1]].connected = False  # the server stops answering: connections fail
-        wait_until(lambda: f.shards._events != [])  # the monitor saw it ...
-        f.client.poll()  # ... and the trainer's thread acts on it
-        assert f.shards.stats.lost == 1 and not f.shards.shards[1].up
+        wait_until(lambda: f.shards.shards[1].suspect)  # left out at the first failed probe ...
+        f.client.request(3, f.client.request_id("run", 3))
+        assert f.client.pending[3].shard in (0, 2) and f.client.pending[on_b].shard == 1  # ... its requests stay
+        wait_until(lambda: f.client.poll() >= 0 and f.shards.stats.lost == 1)  # lost: the trainer's thread acts
+        assert not f.shards.shards[1].up
         assert f.client.pending[on_b].shard in (0, 2)  # its request in flight went elsewhere
         f.servers[URLS[1]].connected = True
-        wait_until(lambda: f.shards._events != [])
-        f.client.poll()
-        assert f.shards.stats.rejoined == 1 and f.shards.shards[1].up
+        wait_until(lambda: f.client.poll() >= 0 and f.shards.stats.rejoined == 1)
+        assert f.shards.shards[1].up and not f.shards.shards[1].suspect
         joined = [e for _, fields in page(f.raw[URLS[1]], keys.trainer_stream)
                   if isinstance(e := decode(fields), TrainerJoined)]
         assert len(joined) == 2  # joined again on the new client (lease, group)
-        f.client.request(3, f.client.request_id("run", 3))
-        assert f.client.pending[3].shard == 1  # the emptiest shard again
+        f.client.request(4, f.client.request_id("run", 4))
+        assert f.client.pending[4].shard == 1  # the emptiest shard again
+    finally:
+        f.client.stop()
+
+
+def test_a_shard_that_answers_again_before_it_is_lost_keeps_its_requests(keys: Keys, tmp_path: Path) -> None:
+    f = Fleet(keys, tmp_path, ShardSettings(probe_s=0.05, lost_after_s=60.0, rejoin_after_s=0.2))
+    try:
+        for r in range(3):
+            f.client.request(r, f.client.request_id("run", r))
+        on_c = next(r for r, p in f.client.pending.items() if p.shard == 2)
+        request_id = f.client.pending[on_c].request.request_id
+        f.servers[URLS[2]].connected = False
+        wait_until(lambda: f.shards.shards[2].suspect)
+        f.client.poll()  # no call waits on it: it is left out at once
+        f.servers[URLS[2]].connected = True
+        wait_until(lambda: f.client.poll() >= 0 and f.shards.stats.rejoined == 1)
+        assert f.shards.stats.lost == 0 and f.shards.stats.resubmitted == 0
+        assert f.client.pending[on_c].shard == 2
+        f.deliver(URLS[2], request_id, on_c)  # its executor finishes the request: the new client reads it
+        batch = f.client.get(on_c, timeout_s=2.0)
+        assert batch.shard == 2 and batch.request_id == request_id
+        f.client.ack(batch, staleness=0, accepted=True)
+        assert f.shards.stats.acks_lost == 0
     finally:
         f.client.stop()
