@@ -776,6 +776,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "lost_after_s": rec.lost_after_s, "moved": rec.moved, "held": rec.held}
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
+    summary["rows"] = rows  # for bench/ratios.py (not in the JSON)
     return summary
 
 

@@ -9,7 +9,7 @@ bench's own load to decay) and the CPU that processes other than the bench's own
 ran (at most 25% of the cores). A row whose interquartile range crosses its target says so
 instead of a verdict. The configurations are each bench's own long defaults or close to
 them (the short ones gave ratios that a longer run contradicted): about 20 minutes on a
-2-core machine.
+2-core machine, and about 10 more for the bus tax on SmolLM2.
 
     python bench/ratios.py [--skip modes,executors] [--quick] [--settle 90]
 
@@ -60,7 +60,9 @@ def timed(rows: list[Row], took: float) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> list[Row]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--skip", default="", help="benches to leave out: events,handoff,codec,executors,modes")
+    ap.add_argument("--skip", default="", help="benches to leave out: events,handoff,codec,executors,modes,gateway,"
+                                                "shards,decode,bus_tax (decode needs the models extra; bus_tax takes "
+                                                "about 10 minutes)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: smaller configurations, figures not to quote")
     ap.add_argument("--settle", type=float, default=90.0,
                     help="seconds to wait at most, before each bench, for the load average to fall to 1")
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if "events" not in skip:
         import bench_events
 
-        cfg = ["--n", "2000" if q else "10000", "--reps", "3" if q else "5", "--loads", "0.5"]
+        cfg = ["--n", "2000" if q else "10000", "--reps", "3" if q else "5", "--loads", "0.5", "--many"]
         r, _, took = run_bench("events " + " ".join(cfg), lambda: bench_events.main(cfg), log, settle)
         rows += timed(r["rows"], took)
     if "executors" not in skip:
@@ -110,6 +112,32 @@ def main(argv: list[str] | None = None) -> list[Row]:
             if f"{mode}_reps" in r:
                 rows.append(Row("modes", f"{mode} step / its own ideal step, speed", list(r[f"{mode}_reps"]),
                                 Target(">=", 0.95), outside.load, took))
+
+    if "gateway" not in skip:
+        import bench_gateway
+
+        cfg = ["--parts", "overhead", "--reps", "3" if q else "5"] + (["--quick"] if q else [])
+        r, _, took = run_bench("gateway " + " ".join(cfg), lambda: bench_gateway.main(cfg), log, settle)
+        rows += timed(list(r.get("rows", [])), took)
+    if "decode" not in skip:
+        import bench_decode_limits
+
+        cfg = ["--batches", "16", "--reps", "3" if q else "5", "--tokens", "16" if q else "32"]
+        r, _, took = run_bench("decode " + " ".join(cfg), lambda: bench_decode_limits.main(cfg), log, settle)
+        rows += timed([row for row in r["rows"] if "bandwidth" in row.figure], took)
+    if "shards" not in skip:
+        import bench_shards
+
+        cfg = ["--no-kill"] + (["--quick"] if q else [])
+        r, _, took = run_bench("shards " + " ".join(cfg), lambda: bench_shards.main(cfg), log, settle)
+        rows += timed([row for row in r.get("rows", []) if "Redis CPU" in row.figure], took)
+    if "bus_tax" not in skip:
+        import bench_bus_tax
+
+        cfg = ["--repeats", "3"] + (["--quick"] if q else ["--model", "smollm2"])  # the target is SmolLM2's
+        r, outside, took = run_bench("bus_tax " + " ".join(cfg), lambda: bench_bus_tax.main(cfg), log, settle)
+        rows += [Row("bus_tax", f"{row['figure']} ({r['model']})", list(row["values"]), bench_bus_tax.TARGET,
+                     outside.load, took) for row in r["rows"]]
 
     print()
     print(table(rows))
