@@ -12,6 +12,8 @@ parameters, 538 MB of weights with the tied embedding counted once). Every repet
   so the **compute limit** is ``GFLOP/s / (2 * parameters)`` tokens/s at any batch;
 - the engine: its scheduler in this process (no HTTP), ``B`` sequences submitted at once and timed
   until each has ``--tokens`` new tokens (greedy, prefill included; bench/bench_hf_decode.py);
+- with ``--no-packed``, a second engine started with ``--no-packed`` (every linear layer on plain
+  ``F.linear``, the decode step module by module): the engine's own fallback, on the same prompts;
 - ``model.generate`` on the same prompts (left-padded, ``min_new_tokens = max_new_tokens``);
 - the outside anchor, when ``llama-cpp-python`` is installed (the ``bench`` extra): llama.cpp decoding
   the same model from a GGUF file (``--gguf``; default: the prepared model's own GGUF, which is Q4_1,
@@ -24,6 +26,7 @@ batch (target >= 0.6; per repetition, each against its own probe), judged on out
 bench/verdict.py.
 
     python bench/bench_decode_limits.py [--model smollm2|DIR] [--batches 1 16] [--tokens 32] [--reps 5] [--threads 2]
+        [--no-packed] [--no-generate] [--profile ROWS]
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from rollout_bus.engine.runtime import Engine  # noqa: E402
 from rollout_bus.lm import hf  # noqa: E402
 
 TARGET = Target(">=", 0.6)
+PLAIN = "engine --no-packed"
 
 
 def median_time(fn: Callable[[], object], reps: int) -> float:
@@ -204,6 +208,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=2, help="torch threads for every side (and llama.cpp's)")
     p.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp anchor (default: the model's own)")
     p.add_argument("--no-generate", action="store_true", help="leave model.generate out")
+    p.add_argument("--no-packed", action="store_true",
+                   help="also run a second engine with --no-packed (plain F.linear, the decode step module by "
+                        "module) as its own side, on the same prompts")
     p.add_argument("--llama-repack", action="store_true",
                    help="let llama.cpp repack the weights for its extra CPU buffer types (AMX and others; off: "
                         "they crash this VM)")
@@ -219,6 +226,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = Engine(parse_args(["--model-path", str(path), "--max-batch-size", str(batch_max),
                                 "--torch-threads", str(args.threads)]))
     engine.start()
+    plain = None
+    if args.no_packed:
+        plain = Engine(parse_args(["--model-path", str(path), "--max-batch-size", str(batch_max),
+                                   "--torch-threads", str(args.threads), "--no-packed"]))
+        plain.start()
     gguf = Path(args.gguf) if args.gguf else default_gguf(args.model)
     anchor, anchor_note = llama_cpp_anchor(gguf, args.threads, batch_max, 32 + args.tokens, args.llama_repack)
     print(f"model {path.name}: {params / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB of float32 weights; "
@@ -227,10 +239,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at start")
     print(f"llama.cpp anchor: {'on ' + anchor_note if anchor is not None else 'skipped: ' + anchor_note}")
     engine_run(engine, prompts(2), 4, "warm")
+    if plain is not None:
+        engine_run(plain, prompts(2), 4, "warm")
     generate_run(model, prompts(2), 4)
     if anchor is not None:
         anchor.run(prompts(2), 4)
-    sides = ["engine"] + ([] if args.no_generate else ["generate"]) + ([] if anchor is None else ["llama.cpp"])
+    sides = (["engine"] + ([] if plain is None else [PLAIN]) + ([] if args.no_generate else ["generate"])
+             + ([] if anchor is None else ["llama.cpp"]))
     rates: dict[int, dict[str, list[float]]] = {b: {s: [] for s in (*sides, "bw limit", "compute limit")}
                                                 for b in args.batches}
     probes: dict[str, list[float]] = {"copy GB/s (512 MB copied / s)": [], "matmul GFLOP/s": []}
@@ -247,6 +262,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for side in order:
                     if side == "engine":
                         took = engine_run(engine, batch, args.tokens, f"b{batch_size}-{rep}")
+                    elif side == PLAIN:
+                        assert plain is not None
+                        took = engine_run(plain, batch, args.tokens, f"b{batch_size}-{rep}")
                     elif side == "generate":
                         took = generate_run(model, batch, args.tokens)
                     else:
@@ -256,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile:
         profile_engine(engine, prompts(batch_max, seed=batch_max), args.tokens, args.profile)
     engine.stop()
+    if plain is not None:
+        plain.stop()
     print("probes (median): " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in probes.items())
           + f"; STREAM copy (read + written) {2 * statistics.median(probes['copy GB/s (512 MB copied / s)']):.1f} GB/s")
     columns = [*sides, "bw limit", "compute limit"]
@@ -270,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         TARGET if batch_size == batch_max else None, outside.load))
         rows.append(Row("decode_limits", f"engine tok/s / compute limit, batch {batch_size}",
                         [e / lim for e, lim in zip(r["engine"], r["compute limit"], strict=True)], None, outside.load))
+        if plain is not None:
+            rows.append(Row("decode_limits", f"engine tok/s / engine --no-packed tok/s, batch {batch_size}",
+                            [e / q for e, q in zip(r["engine"], r[PLAIN], strict=True)], None, outside.load))
     print()
     print(table(rows))
     for line in reasons(rows):

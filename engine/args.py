@@ -28,6 +28,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "cpu"
     torch_threads: int = 1
+    no_packed: bool = False
     skip_tokenizer_init: bool = False
     enable_memory_saver: bool = False
     log_level: str = "info"
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds sampling of requests without sampling_seed")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (tiny models: 1)")
+    parser.add_argument("--no-packed", action="store_true",
+                        help="run a Hugging Face model's linear layers on plain F.linear instead of oneDNN with "
+                             "weights packed once (the CPU default): no packed copies in memory, the trainer's "
+                             "summation order, slower decode; to compare or fall back")
     parser.add_argument("--skip-tokenizer-init", action="store_true", help="replies carry no text")
     parser.add_argument(
         "--enable-memory-saver",

@@ -8,8 +8,10 @@ counts only its real tokens), and the attention mask grows by one column per ste
 and slots that became padding in every row are cut off. A row prefilled after a cached prefix (the
 prefix cache) runs only its new tokens, on a cache that starts with the prefixes. Decoder-only models with full attention
 (Llama, Qwen2, SmolLM2, ...) are what this is written for. On a CPU the linear layers run on
-oneDNN with packed weights (``engine.hf_packed``), repacked after every weight update, and a decode
-step of a plain Llama without an adapter skips transformers' per-layer glue (``engine.hf_decode``).
+oneDNN with packed weights (``engine.hf_packed``), repacked after every weight update, and the decode
+steps and prefills of a plain Llama without an adapter skip transformers' per-layer glue
+(``engine.hf_decode``: stacked, transposed linear layers; the prefill on the real tokens only).
+``packed=False`` (``--no-packed``) keeps all of it on plain ``F.linear``, module by module.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from rollout_bus.engine import hf_packed
 from rollout_bus.engine.codec import HFCodec
+from rollout_bus.engine.errors import BadRequest
 from rollout_bus.engine.hf_cache import SlackCache, reserved_bytes
 from rollout_bus.engine.hf_decode import LlamaDecodeStep
 from rollout_bus.engine.prefix_cache import Layers
@@ -47,7 +50,8 @@ class HFServed(ServedModel):
     kind = "hf"
 
     def __init__(self, model_path: str, device: torch.device, version: str, lora: LoraLimits, *,
-                 tokenizer: bool = True) -> None:
+                 tokenizer: bool = True, packed: bool = True) -> None:
+        """``packed=False`` (the engine's ``--no-packed``) keeps every linear layer on plain ``F.linear``."""
         reference = tensor_shapes(Path(model_path))  # first: only safetensors are loaded (never a pickled .bin)
         model = hf.load_model(model_path, device)
         loaded = hf.load_tokenizer(model_path) if tokenizer else None
@@ -62,11 +66,13 @@ class HFServed(ServedModel):
         self.config_json = _read_config(Path(model_path))
         self.hf_config = config
         self.cache_class = SlackCache
-        self.packed = hf_packed.available() and device.type == "cpu"
+        self.packed = packed and hf_packed.available() and device.type == "cpu"
+        self.decode_step = LlamaDecodeStep.build(model, fused=self.packed)
+        """A decode step without transformers' glue for rows without an adapter (None: not a plain Llama); with
+        ``packed``, on q/k/v and gate/up stacked (the modules' weights become views: before the packs below)
+        and every linear layer transposed on oneDNN."""
         if self.packed:
             hf_packed.pack_linears(model, PACK_ROWS_HINT)
-        self.decode_step = LlamaDecodeStep.build(model)
-        """A decode step without transformers' glue for rows without an adapter (None: not a plain Llama)."""
 
     # the packed copies of the linear layers' weights follow every change of the weights
     def apply_update(self, update: WeightUpdate, *, announce: bool = True) -> None:
@@ -77,11 +83,22 @@ class HFServed(ServedModel):
     def release(self) -> None:
         if self.packed:
             hf_packed.unpack(self.base)
-        super().release()
+            if self.decode_step is not None:
+                self.decode_step.drop()  # before the weights go, so that their memory goes with them
+        try:
+            super().release()
+        except BadRequest:  # refused, the weights untouched: so are the packs and the stacked weights
+            if self.packed:
+                if self.decode_step is not None:
+                    self.decode_step.refresh()
+                hf_packed.repack(self.base, PACK_ROWS_HINT)
+            raise
 
     def resume(self) -> None:
         super().resume()
         if self.packed:
+            if self.decode_step is not None:
+                self.decode_step.refresh()  # the weights have storage of their own again: stack them anew
             hf_packed.repack(self.base, PACK_ROWS_HINT)
 
     def new_batch(self) -> DecodeBatch:
@@ -154,10 +171,15 @@ class HFBatch(DecodeBatch):
             past, past_mask = _stack_prefixes(prefixes, cached, device)
             cache = self.served.cache_class(ddp_cache_data=past)
             mask = torch.cat([past_mask, mask], dim=1)
-        out = self.served.forward(self._names(seqs), input_ids=ids, attention_mask=mask, position_ids=positions,
-                                  cache=cache, use_cache=True, logits_to_keep=1)
+        names = self._names(seqs)
+        step = self.served.decode_step
+        if step is not None and step.fused is not None and device.type == "cpu" and all(n is None for n in names):
+            logits = step.prefill(ids, positions, mask, cache)  # the real tokens only, no padding rows
+        else:
+            logits = self.served.forward(names, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                         cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         self._merge(list(seqs), cache, mask, positions[:, -1] + 1)
-        return out.logits[:, -1]
+        return logits
 
     def row_kv(self, seq: Any) -> Layers | None:
         row = next((i for i, s in enumerate(self.rows) if s is seq), None)

@@ -13,6 +13,10 @@ The packed copies are extra memory, as much again as the packed weights (540 MB 
 They are rebuilt after every change of the base weights (``repack``) and dropped when the weights are
 released (``unpack``), so that releasing memory still frees it. The results differ from ``F.linear``'s
 in float32 rounding only (another summation order).
+
+The decode step (``engine.hf_decode``) uses the packs only where they win; its wide layers run
+``linear_t``, the same oneDNN matmul with the operands swapped, on the plain weights, which
+``fuse_rows`` stacks (q/k/v, gate/up) in place: the modules' weights become views of the stack.
 """
 
 from __future__ import annotations
@@ -87,3 +91,60 @@ def packed_bytes(model: nn.Module) -> int:
 
 def _packed(model: nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, PackedLinear)]
+
+
+# --- a decode step's linear layers: transposed, on the weights as they are --------------------------------
+
+def linear_t(weight: Tensor, x: Tensor) -> Tensor:
+    """``F.linear(x, weight).t()`` (``[out, rows]``) for a few rows ``x`` (``[rows, in]``, any strides), on
+    oneDNN with the weight as the streamed operand and the rows as the small one.
+
+    At decode shapes the packed call (``PackedLinear``) vectorises over the weight's rows and broadcasts
+    the 16 activations, one load per multiply-add: on AVX2 the loads, not the FMA units, bound it. Swapped,
+    the 16 rows are two vector registers reused across six weight rows at a time, so the same product runs
+    20-35% faster on one thread (BENCHMARKS.md, "CPU engine near the machine's limit"), on the plain
+    weight: no packed copy, nothing to redo after an update. The result is transposed; callers take it
+    as it comes (a ``.t()`` view) or fold the transposition into their next operation."""
+    return torch.ops.mkldnn._linear_pointwise(weight, x, None, "none", [], "")
+
+
+def fuse_rows(linears: list[nn.Module]) -> Tensor | None:
+    """One tensor holding the weights of ``linears`` stacked by output row (q, k, v; gate, up), whose
+    weights become views of it: same values and parameters, no extra memory, updates copied into the
+    views land in it. None (nothing changed) unless they are float32 CPU weights with one input width
+    and every view starts on ``ALIGNMENT`` bytes."""
+    weights = [_weight(m) for m in linears]
+    first = weights[0]
+    if (any(w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] != first.shape[1]
+            or w.numel() == 0 for w in weights)
+            or any(w.shape[1] * w.element_size() % ALIGNMENT for w in weights)):
+        return None
+    fused = torch.cat([w.detach() for w in weights])
+    start = 0
+    for weight in weights:
+        rows = weight.shape[0]
+        weight.data = fused[start:start + rows]
+        start += rows
+    return fused
+
+
+def fused_intact(fused: Tensor, linears: list[nn.Module]) -> bool:
+    """Every weight of ``linears`` still a view of ``fused``, where ``fuse_rows`` put it (a release, a
+    resume or anything that replaced a weight's storage breaks this)."""
+    base, start = fused.data_ptr(), 0
+    for module in linears:
+        weight = _weight(module)
+        if weight.data_ptr() != base + start * fused.stride(0) * fused.element_size() or weight.shape[1] != fused.shape[1]:
+            return False
+        start += weight.shape[0]
+    return start == fused.shape[0]
+
+
+def _weight(module: nn.Module) -> Tensor:
+    weight = module.weight
+    assert isinstance(weight, Tensor)
+    return weight
+
+
+ALIGNMENT = 64
+"""Bytes each fused view starts on (``engine.served.WEIGHT_ALIGNMENT``: unaligned weights round differently)."""

@@ -25,7 +25,8 @@ def load_served(args: EngineArgs, device: torch.device) -> ServedModel:
     if is_hf_dir(args.model_path):
         from rollout_bus.engine.hf_model import HFServed
 
-        return HFServed(args.model_path, device, args.weight_version, lora, tokenizer=not args.skip_tokenizer_init)
+        return HFServed(args.model_path, device, args.weight_version, lora, tokenizer=not args.skip_tokenizer_init,
+                        packed=not args.no_packed)
     from rollout_bus.engine.tiny_model import TinyServed
 
     return TinyServed(args.model_path, device, args.weight_version, lora)
