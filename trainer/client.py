@@ -283,6 +283,13 @@ class RolloutClient(Handing):
     def buffered(self) -> list[ReceivedBatch]:
         return list(self._buffer.values())
 
+    def adopt_buffer(self, other: RolloutClient) -> None:
+        """Take over the batches ``other`` (a client of the same group and consumer that is being replaced) read and
+        holds, so that they are handed over without being read again (the same entry read again is skipped)."""
+        for key, batch in other._buffer.items():
+            self._buffer.setdefault(key, batch)
+        other._buffer.clear()
+
     def take(self, predicate: Any = None) -> ReceivedBatch | None:
         """Remove and return the first buffered batch (that ``predicate`` accepts), if any."""
         for key, batch in self._buffer.items():

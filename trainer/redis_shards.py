@@ -240,10 +240,6 @@ class ShardSet:
         and the batches its old client held come back to the new one, the same consumer)."""
         old = shard.rollouts
         abandon(shard.client)
-        try:
-            old.stop()  # its lease renewal, its buffer (redelivered to the new client), its payload reader
-        except PROBE_ERRORS as exc:
-            log.debug("shard %d: the old client stopped with %s", shard.index, exc)
         client = self.connect(shard.url)
         rollouts, weights = self.factory(shard.index, shard.url, client)
         candidate = replace(shard, client=client, rollouts=rollouts, weights=weights)
@@ -251,11 +247,16 @@ class ShardSet:
             for hook in self.on_rejoin:
                 hook(candidate)
             candidate.epoch = self._probe(shard.index, shard.url).join()
-        except SHARD_ERRORS as exc:
+        except PROBE_ERRORS as exc:  # unreachable again, or refused (the policy taken there meanwhile): stays out
             log.warning("Redis shard %d (%s) answered but could not be joined again: %s", shard.index,
                         _redact(shard.url), exc)
             abandon(client)
             return
+        rollouts.adopt_buffer(old)  # batches read before, not taken yet (a redelivery of one is skipped)
+        try:
+            old.stop()  # its lease renewal and payload reader
+        except PROBE_ERRORS as exc:
+            log.debug("shard %d: the old client stopped with %s", shard.index, exc)
         shard.client, shard.rollouts, shard.weights = client, rollouts, weights
         was = "lost" if not shard.up else "not answering"
         shard.epoch, shard.up, shard.suspect, shard.lost_reason = candidate.epoch, True, False, ""

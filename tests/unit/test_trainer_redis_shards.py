@@ -220,3 +220,30 @@ def test_a_shard_that_answers_again_before_it_is_lost_keeps_its_requests(keys: K
         assert f.shards.stats.acks_lost == 0
     finally:
         f.client.stop()
+
+
+def test_a_batch_held_when_its_shard_stops_answering_is_handed_over_once_after_it_answers(
+        keys: Keys, tmp_path: Path) -> None:
+    f = Fleet(keys, tmp_path, ShardSettings(probe_s=0.05, lost_after_s=60.0, rejoin_after_s=0.2))
+    try:
+        for r in range(3):
+            f.client.request(r, f.client.request_id("run", r))
+        on_a = next(r for r, p in f.client.pending.items() if p.shard == 0)
+        f.deliver(URLS[0], f.client.pending[on_a].request.request_id, on_a)
+        wait_until(lambda: f.client.poll() >= 0 and len(f.client.buffered()) == 1)
+        f.servers[URLS[0]].connected = False
+        wait_until(lambda: f.shards.shards[0].suspect)
+        f.servers[URLS[0]].connected = True
+        wait_until(lambda: f.client.poll() >= 0 and f.shards.stats.rejoined == 1)
+        for _ in range(3):
+            f.client.poll()  # the new client reads its pending entries again: the same entry is not buffered twice
+        held = f.client.buffered()
+        assert [b.rollout_id for b in held] == [on_a], held
+        batch = f.client.get(on_a, timeout_s=2.0)
+        f.client.ack(batch, staleness=0, accepted=True)
+        assert f.shards.stats.acks_lost == 0
+        consumed = [e for _, fields in page(f.raw[URLS[0]], keys.trainer_stream)
+                    if isinstance(e := decode(fields), BatchConsumed)]
+        assert len(consumed) == 1
+    finally:
+        f.client.stop()
