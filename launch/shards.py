@@ -13,6 +13,7 @@ rejoins the trainers on its own).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +29,16 @@ SHARD_INCOMPATIBLE = {
 }
 
 
+SHARD_SEPARATOR = re.compile(r",\s*(?=(?:redis|rediss|unix|redis\+sentinel)://)")
+"""A comma that starts another url: a Sentinel url's own commas (between its sentinels) are not followed by a
+scheme."""
+
+
 def split_urls(spec: str) -> list[str]:
-    """``A,B,C`` -> the shards' urls (one url: one Redis); ``ValueError`` for an empty or repeated one."""
-    urls = [u.strip() for u in spec.split(",")]
-    if any(not u for u in urls):
+    """``A,B,C`` -> the shards' urls (one url: one Redis; a ``redis+sentinel://h1,h2,h3/name`` url is one shard);
+    ``ValueError`` for an empty or repeated one."""
+    urls = [u.strip() for u in SHARD_SEPARATOR.split(spec)]
+    if any(not u or u.endswith(",") or ",," in u for u in urls):
         raise ValueError(f"Redis urls {spec!r}: an empty url between commas")
     if len(set(urls)) != len(urls):
         raise ValueError(f"Redis urls {spec!r}: the same Redis twice (each shard is a Redis primary of its own)")

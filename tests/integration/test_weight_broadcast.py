@@ -191,6 +191,9 @@ def _fault_scenario(keys: Keys, server: RedisServer, client: redis.Redis, root: 
             senders.append(fresh)
             await wait_until_async("v2 served", lambda: served(client, keys, 2), 40)
             out["v2"] = await digests(live)
+            # the engines may report v2 served before the sender has written down that it sent it
+            await wait_until_async("the fresh sender's record", lambda: fresh.state().get("sent") or
+                                   fresh.state().get("failures"), 20)
             out["fresh"] = fresh.state()
             out["live"] = len(live)
         finally:

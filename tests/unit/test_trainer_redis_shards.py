@@ -144,6 +144,10 @@ def test_shard_settings_and_urls_are_checked() -> None:
     with pytest.raises(ValueError, match="empty"):
         split_urls("redis://a:1,,redis://b:1")
     assert split_urls("redis://a:1, redis://b:1") == ["redis://a:1", "redis://b:1"]
+    sentinel = "redis+sentinel://h1:26379,h2:26379,h3:26379/main"
+    assert split_urls(sentinel) == [sentinel]  # one shard: a Sentinel group's own commas
+    assert split_urls(f"{sentinel},redis+sentinel://h4:26379,h5:26379/other,redis://c:1") == [
+        sentinel, "redis+sentinel://h4:26379,h5:26379/other", "redis://c:1"]
     base = TrainerConfig(publish=PublishConfig(weights_root="/tmp/w"))
     with pytest.raises(ConfigError, match="shards"):
         TrainerConfig(shards=["redis://a:1", "redis://b:1"],
