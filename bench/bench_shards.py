@@ -707,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"executors, {args.submitters} submitters (ShardedClient over the K, {args.in_flight} requests in flight "
           f"each), {args.engines_per_policy} stub engines per policy; requests of {args.groups}x{args.samples} "
           f"samples x {args.max_new_tokens} tokens; window {args.window_s:g}s after {args.warmup_s:g}s; "
-          f"{os.cpu_count()} CPUs; /proc/loadavg before: {loadavg}", flush=True)
+          f"{os.cpu_count()} CPUs; load average before (/proc/loadavg): {loadavg}", flush=True)
     windows: list[Window] = []
     killed: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory() as tmp_name, OutsideLoad() as whole:

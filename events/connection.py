@@ -123,24 +123,24 @@ class SentinelURL:
             host, sep, port = item.rpartition(":")
             host, port = (host, port) if sep else (item, "26379")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise InvalidRequest(f"Sentinel address {item!r} in {_redact(url)!r} must be host:port ({shape})")
+                raise InvalidRequest(f"Sentinel address {item!r} in {redact(url)!r} must be host:port ({shape})")
             sentinels.append((host, int(port)))
         if not sentinels:
-            raise InvalidRequest(f"{_redact(url)!r} names no sentinel ({shape})")
+            raise InvalidRequest(f"{redact(url)!r} names no sentinel ({shape})")
         path = [unquote(p) for p in parts.path.split("/") if p]
         if not path or len(path) > 2:
-            raise InvalidRequest(f"{_redact(url)!r} must name the master, and at most a db after it ({shape})")
+            raise InvalidRequest(f"{redact(url)!r} must name the master, and at most a db after it ({shape})")
         if len(path) == 2 and not path[1].isdigit():
-            raise InvalidRequest(f"db {path[1]!r} in {_redact(url)!r} must be a number ({shape})")
+            raise InvalidRequest(f"db {path[1]!r} in {redact(url)!r} must be a number ({shape})")
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         unknown = set(query) - {"sentinel_username", "sentinel_password", "check_s"}
         if unknown:
-            raise InvalidRequest(f"{_redact(url)!r} has unknown options {sorted(unknown)}; "
+            raise InvalidRequest(f"{redact(url)!r} has unknown options {sorted(unknown)}; "
                                  "known: sentinel_username, sentinel_password, check_s")
         try:
             check_s = float(query.get("check_s", SENTINEL_CHECK_S))
         except ValueError:
-            raise InvalidRequest(f"check_s={query['check_s']!r} in {_redact(url)!r} must be seconds") from None
+            raise InvalidRequest(f"check_s={query['check_s']!r} in {redact(url)!r} must be seconds") from None
         return cls(tuple(sentinels), path[0], int(path[1]) if len(path) == 2 else 0, username, password,
                    query.get("sentinel_username"), query.get("sentinel_password"), check_s)
 
@@ -269,7 +269,7 @@ def route_address(url: str | None = None) -> str:
                              "hosts reach this one at (--advertise-host)") from None
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url

@@ -31,6 +31,7 @@ redelivers it if it comes back with its data, and the trainer's checkpoint lists
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +46,7 @@ from rollout_bus.events.connection import (
     abandon,
     connect,
     probe_client,
+    redact,
 )
 from rollout_bus.events.epoch import BusEpoch
 from rollout_bus.events.errors import BusError, BusUnavailable
@@ -162,7 +164,7 @@ class ShardSet:
                 return live
             if not any(s.up for s in self.shards):
                 raise BusUnavailable("every Redis shard of this trainer is lost: "
-                                     + "; ".join(f"shard {s.index} ({_redact(s.url)}): {s.lost_reason}"
+                                     + "; ".join(f"shard {s.index} ({redact(s.url)}): {s.lost_reason}"
                                                  for s in self.shards))
             time.sleep(min(0.05, self.settings.probe_s))
             self.handle()
@@ -200,8 +202,11 @@ class ShardSet:
     def _suspect(self, shard: Shard, reason: str) -> None:
         shard.suspect = True
         abandon(shard.client)  # a call waiting in a reconnect loop there gives up at its next try
+        self._say_suspect(shard, reason)
+
+    def _say_suspect(self, shard: Shard, reason: str) -> None:
         log.warning("Redis shard %d (%s) does not answer (%s): left out until it does, lost after %.1fs (%s)",
-                    shard.index, _redact(shard.url), reason, self.settings.lost_after_s, self.describe())
+                    shard.index, redact(shard.url), reason, self.settings.lost_after_s, self.describe())
 
     def lose(self, shard: Shard, exc: BaseException | str) -> None:
         """Take ``shard`` out for good now: its requests in flight go to the live shards."""
@@ -216,7 +221,7 @@ class ShardSet:
         shard.rollouts.lease.release()  # stops renewing (the release itself fails quietly: the lease lapses there)
         self.stats.lost += 1
         log.error("Redis shard %d (%s) lost: %s; its requests in flight go to the live shards (%s)", shard.index,
-                  _redact(shard.url), reason, self.describe())
+                  redact(shard.url), reason, self.describe())
         for hook in self.on_lost:
             hook(shard)
 
@@ -227,9 +232,7 @@ class ShardSet:
         for what, index, reason in found:
             shard = self.shards[index]
             if what == "suspect" and shard.up:
-                log.warning("Redis shard %d (%s) does not answer (%s): left out until it does, lost after %.1fs "
-                            "(%s)", shard.index, _redact(shard.url), reason, self.settings.lost_after_s,
-                            self.describe())
+                self._say_suspect(shard, reason)  # the monitor left it out already
             elif what == "lost" and shard.up:
                 self._lose(shard, reason)
             elif what == "back" and (not shard.up or shard.suspect):
@@ -249,7 +252,7 @@ class ShardSet:
             candidate.epoch = self._probe(shard.index, shard.url).join()
         except PROBE_ERRORS as exc:  # unreachable again, or refused (the policy taken there meanwhile): stays out
             log.warning("Redis shard %d (%s) answered but could not be joined again: %s", shard.index,
-                        _redact(shard.url), exc)
+                        redact(shard.url), exc)
             abandon(client)
             return
         rollouts.adopt_buffer(old)  # batches read before, not taken yet (a redelivery of one is skipped)
@@ -263,7 +266,7 @@ class ShardSet:
         shard.unreachable_since = None
         self.stats.rejoined += 1
         log.warning("Redis shard %d (%s), %s, is back: it takes requests again (%s)", shard.index,
-                    _redact(shard.url), was, self.describe())
+                    redact(shard.url), was, self.describe())
 
     # --- the monitor --------------------------------------------------------------------
     def _probe(self, index: int, url: str) -> BusEpoch:
@@ -332,10 +335,6 @@ class ShardedLease:
             except SHARD_ERRORS as exc:
                 self.shards.suspend(shard, exc)
         self.shards.require_live()
-
-    def check(self) -> None:
-        for shard in self.shards.live():
-            shard.rollouts.lease.check()
 
 
 class ShardedClient(Handing):
@@ -598,8 +597,6 @@ class ShardedWeights:
 
     def _prune(self) -> None:
         """Delete versions beyond the newest ``keep_versions`` older than what every live shard serves."""
-        import shutil
-
         if self.keep_versions <= 0 or len(self._published) <= self.keep_versions:
             return
         try:
@@ -628,10 +625,6 @@ def sharded(urls: list[str], keys: Keys, config: ClientConfig, producer: Produce
                                                          keep_versions=keep_versions)
 
 
-def _redact(url: str) -> str:
-    from rollout_bus.events.connection import _redact as redact
-
-    return redact(url)
 
 
 __all__ = ["SHARD_ERRORS", "Shard", "ShardSet", "ShardSettings", "ShardedClient", "ShardedWeights", "sharded"]
