@@ -28,7 +28,7 @@ from rollout_bus.events.names import Keys
 from rollout_bus.events.paging import weight_streams
 from rollout_bus.events.registry import EngineState, Registry
 from rollout_bus.events.schema import TrainStepDone, decode
-from rollout_bus.launch.config import RunConfig
+from rollout_bus.launch.config import RunConfig, RunFailed
 from rollout_bus.launch.job import RunHandle, run_job
 from tests.support.fake_rollouts import shared_init_dir
 
@@ -121,6 +121,16 @@ async def _refused(url: str, token: int) -> EngineHTTPError:
         await close_shared_session()
 
 
+def _where(pause: Pause, logs: Path, lines: int = 25) -> str:
+    alive = pause.thread is not None and pause.thread.is_alive()
+    parts = [f"pause thread {'still running' if alive else 'done'}, error {pause.error!r}, "
+             f"evidence {sorted(pause.evidence)}"]
+    for log_file in sorted(logs.glob("*.log")):
+        tail = log_file.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log_file.name}\n" + "\n".join(line[:300] for line in tail))
+    return "\n".join(parts)
+
+
 @pytest.fixture()
 def server() -> RedisServer:
     return RedisServer().start()
@@ -134,7 +144,10 @@ def test_a_controller_paused_past_its_lease_is_fenced_steps_down_writing_nothing
                        timeout_s=200.0, restart_budget=2, controller_args=["--lease-ttl-s", f"{TTL_S:g}"])
     caplog.set_level(logging.WARNING, logger="rollout_bus.launch.procs")
     try:
-        result = run_job(config, on_start=pause.start)
+        try:
+            result = run_job(config, on_start=pause.start)
+        except RunFailed as exc:  # what the pause saw and each role's last lines say where the run stopped
+            raise AssertionError(f"{exc}; {_where(pause, tmp_path / 'out' / 'logs')}") from None
         assert pause.thread is not None
         pause.thread.join(10)
         assert pause.error is None, f"{type(pause.error).__name__}: {pause.error}"
