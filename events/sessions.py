@@ -37,8 +37,8 @@ from typing import Any
 import msgpack
 import redis
 
-from rollout_bus.events.connection import as_str
-from rollout_bus.events.errors import Failure
+from rollout_bus.events.connection import Guard, ReconnectPolicy, as_str
+from rollout_bus.events.errors import BusUnavailable, Failure
 from rollout_bus.events.names import Keys, check_name, name_problem
 from rollout_bus.events.publish import PUBLISH_BODY, SEQ_LUA
 
@@ -53,6 +53,8 @@ STATUSES = (OPEN, CLOSED, FAILED, ABANDONED, OVERFLOW)
 ``abandoned`` (no close within the timeout), or ``overflow`` (its context outgrew the model's)."""
 DEFAULT_TTL_S = 24 * 3600
 """How long a session's keys live after their last write."""
+STORE_WAIT_S = 5.0
+"""How long a session call waits for Redis to answer again before it fails (503) instead."""
 MAX_STATE_BYTES = 64 << 20
 
 _BEGIN = """
@@ -60,7 +62,8 @@ if ARGV[3] == '1' and (redis.call('HGET', KEYS[1], 'tenant') or '') ~= ARGV[4] t
   return {'missing'}
 end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) == false then
-  return {'busy'}
+  if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'busy'} end
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])  -- this very call, sent again (its reply was lost): the lock is its own
 end
 local found = redis.call('HMGET', KEYS[1], 'rev', 'writer', 'tenant')
 if found[1] == false then
@@ -75,7 +78,8 @@ return {'ok', found[1], redis.call('HGET', KEYS[1], 'state'), found[3] or ''}
 """ARGV[3] '1': only a session of tenant ARGV[4] is found (checked before the lock is taken, so a caller of
 another tenant never holds up the session's own calls). ARGV[5], ARGV[6]: the revision and writer of the state
 the caller holds already (``known``); when the session is still at that revision, written by that call, the
-state is not sent again."""
+state is not sent again. A call's lock token is its own: the same call sent again after a lost reply finds the lock
+its own and goes on."""
 
 _BIND = """
 if redis.call('HEXISTS', KEYS[1], 'state') == 0 then return 0 end
@@ -86,8 +90,9 @@ return 1
 """
 
 _COMMIT = """
+local rev, writer = unpack(redis.call('HMGET', KEYS[1], 'rev', 'writer'))
+if writer == ARGV[1] and rev == tostring(tonumber(ARGV[2]) + 1) then return 'ok' end  -- this commit, sent again
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'lock' end
-local rev = redis.call('HGET', KEYS[1], 'rev')
 if rev ~= ARGV[2] then return 'rev' end
 redis.call('HSET', KEYS[1], 'rev', tostring(tonumber(rev) + 1), 'state', ARGV[3], 'writer', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
@@ -106,7 +111,9 @@ local done = commit({{KEYS[1], KEYS[2]}}, {{unpack(ARGV, 1, 6)}})
 if done ~= 'ok' then return {{done}} end
 return {{done, publish({{unpack(KEYS, 3)}}, {{unpack(ARGV, 7)}})}}
 """
-"""The commit, then, only if it went through, an event's publish (``events.publish``): one round trip."""
+"""The commit, then, only if it went through, an event's publish (``events.publish``): one round trip. The same
+commit sent again after a lost reply (its call's token wrote the revision after the one it held) is answered 'ok'
+without writing again, and its event's publish finds its dedupe key: neither happens twice."""
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -134,6 +141,12 @@ class SessionBusy(SessionError):
         super().__init__(f"session {sid!r} is serving another call: a session takes one call at a time "
                          "(wait for the previous reply before sending the next turn)",
                          code="session_busy", status=409)
+
+
+class SessionStoreUnavailable(SessionError):
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the session store (Redis) does not answer: {why}; nothing of this call was lost, "
+                         "send it again", code="session_store_unavailable", status=503)
 
 
 class SessionConflict(SessionError):
@@ -268,8 +281,11 @@ class SessionStore:
     """Session state on Redis (see the module docstring)."""
 
     def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int = DEFAULT_TTL_S,
-                 lock_ms: int = 600_000) -> None:
+                 lock_ms: int = 600_000, guard: Guard | None = None) -> None:
         self.client = client
+        self.guard = guard or Guard(client, ReconnectPolicy(max_wait_s=STORE_WAIT_S, cap_s=0.5), name="sessions")
+        """A call's scripts (``begin``, ``commit``, ``release``) are sent again through a lost connection or reply:
+        each is idempotent for its call's token. Past the budget: ``SessionStoreUnavailable`` (503)."""
         self.keys = keys
         self.ttl_s = int(ttl_s)
         self.lock_ms = int(lock_ms)
@@ -327,7 +343,7 @@ class SessionStore:
         ``Held`` carries that very state object and nothing more crosses the wire; otherwise the state is
         read and checked as without it."""
         keys, args = self._begin_call(sid, token, tenant, known)
-        return self._begun(sid, token, self._begin(keys=keys, args=args), known)
+        return self._begun(sid, token, self._run(self._begin, keys, args), known)
 
     def send_begin(self, sid: str, token: str, *, tenant: str | None = None,
                    known: Held | None = None) -> PendingBegin:
@@ -370,10 +386,18 @@ class SessionStore:
         then packed around them, to the same bytes)."""
         keys, args = self._commit_call(held, state, release, publish, turns_packed)
         if publish is None:
-            reply = self._commit(keys=keys, args=args)
+            reply = self._run(self._commit, keys, args)
         else:
-            reply = self._commit_publish(keys=keys, args=args)[0]
+            reply = self._run(self._commit_publish, keys, args)[0]
         self._committed(held, state, reply)
+
+    def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """``script`` through the guard (sent again after a lost connection or reply: the scripts a call runs are
+        idempotent for its token); ``SessionStoreUnavailable`` once Redis stayed away past the budget."""
+        try:
+            return self.guard.call(lambda c: script(keys=keys, args=args, client=c))
+        except BusUnavailable as exc:
+            raise SessionStoreUnavailable(str(exc)) from None
 
     def send_commit(self, held: Held, state: Mapping[str, Any], *, publish: tuple[list[Any], list[Any]],
                     turns_packed: list[bytes] | None = None) -> PendingCommit:
@@ -391,9 +415,15 @@ class SessionStore:
         if not (isinstance(self.client, redis.Redis) and isinstance(pool, redis.ConnectionPool)
                 and self.client.connection is None):
             return None
-        conn = pool.get_connection()
+        try:
+            conn = pool.get_connection()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return None  # the plain call, through the guard
         try:
             conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            pool.release(conn)  # disconnected by the failed send; the plain call goes through the guard
+            return None
         except BaseException:
             pool.release(conn)
             raise
@@ -401,11 +431,16 @@ class SessionStore:
 
     def _read(self, conn: Any) -> tuple[bool, Any]:
         """The reply on ``conn`` (sent by ``_send``), the connection given back: (False, None) when Redis did
-        not know the script (nothing ran: the caller makes the plain call, which loads it)."""
+        not know the script (nothing ran: the caller makes the plain call, which loads it) or the reply was lost
+        (it may have run: the plain call, sent again through the guard, is idempotent for the call's token)."""
         pool = self.client.connection_pool
         try:
             reply = conn.read_response()
         except redis.exceptions.NoScriptError:
+            pool.release(conn)
+            return False, None
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            conn.disconnect()
             pool.release(conn)
             return False, None
         except BaseException:
@@ -438,7 +473,7 @@ class SessionStore:
         self.client.delete(self.keys.session_busy(check_name("session id", sid)))
 
     def release(self, sid: str, token: str) -> None:
-        self._release(keys=[self.keys.session_busy(sid)], args=[token])
+        self._run(self._release, [self.keys.session_busy(sid)], [token])
 
     def update(self, sid: str, token: str, change: Any, *, tenant: str | None = None) -> dict[str, Any]:
         """``change(state) -> state`` under the lock, committed; the new state (``tenant``: as ``begin``)."""

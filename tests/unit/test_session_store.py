@@ -27,6 +27,26 @@ def store() -> SessionStore:
     return SessionStore(fakeredis.FakeRedis(), Keys("t"))
 
 
+def test_a_call_sent_again_is_the_same_call(store: SessionStore) -> None:
+    """What the store sends again after a lost reply: the lock script of the same token finds the lock its own; the
+    commit of the same token and revision, once written, answers done without writing again."""
+    assert store.create(new_state("s", "p", max_context=64))
+    held = store.begin("s", "a")
+    again = store.begin("s", "a")  # the same call (its first reply lost)
+    assert again.rev == held.rev
+    with pytest.raises(SessionBusy):
+        store.begin("s", "b")
+    before = dict(held.state)
+    store.commit(held, {**before, "engine_id": "e1"}, release=False)
+    rev = store.client.hget(store.keys.session("s"), "rev")
+    resent = type(held)(held.sid, held.token, again.rev, before, held.tenant)  # the commit as first sent
+    store.commit(resent, {**before, "engine_id": "e2"})  # sent again: done already, nothing written
+    assert store.client.hget(store.keys.session("s"), "rev") == rev
+    assert store.get("s")["engine_id"] == "e1"  # type: ignore[index]
+    store.commit(held, {**held.state, "engine_id": "e3"})  # the call's next commit (its lock kept) goes through
+    assert store.get("s")["engine_id"] == "e3"  # type: ignore[index]
+
+
 def test_one_call_at_a_time(store: SessionStore) -> None:
     assert store.create(new_state("s", "p", max_context=64))
     assert not store.create(new_state("s", "p", max_context=64))  # never overwritten
