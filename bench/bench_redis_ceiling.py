@@ -488,6 +488,7 @@ def ramp(store: str, server: Any, args: argparse.Namespace, tmp: Path, names: Ma
         stop(fleet_.roles["submitters"])
         stop(fleet_.roles["executors"])
         stop(fleet_.roles["stub engines"])
+        sweep_payloads(client, keys, spec)
         for log_file in sorted(run_dir.glob("submitter-*.log")):
             tail = log_file.read_text().strip().splitlines()[-1:] if log_file.exists() else []
             if tail and not tail[0].startswith("{"):
@@ -495,6 +496,22 @@ def ramp(store: str, server: Any, args: argparse.Namespace, tmp: Path, names: Ma
         client.close()
     return {"store": store, "steps": results, "best": best, "reason": reason, "slowlog": slowlog,
             "slowlog_requests": slow_requests}
+
+
+def sweep_payloads(client: Any, keys: Any, spec: str) -> None:
+    """Delete every payload the run left unread (the batches in flight when its roles stopped). A stopped
+    executor's memfd segment server keeps what it holds until each payload's TTL (a day) runs out, as it
+    must for a real run's unread batches; a bench's are dropped here, so that no server outlives it."""
+    from rollout_bus.events.batches import BatchChannel
+    from rollout_bus.events.payload import make_store
+
+    try:
+        swept = BatchChannel(client, keys, make_store(spec, client, keys)).sweep(0)
+    except Exception as exc:  # the figures stand; say what is left behind
+        print(f"  payloads of {keys.namespace} not swept: {exc}", flush=True)
+        return
+    if swept.unreachable:
+        print(f"  {swept.unreachable} payloads of {keys.namespace} could not be reached to be swept", flush=True)
 
 
 def _joined(client: Any, keys: Any) -> int:
