@@ -250,6 +250,8 @@ def run_job(config: RunConfig, *, on_start: Callable[[RunHandle], None] | None =
             for p in policies:
                 outputs[p].update({f"eval-{k}": v for k, v in tracker.logs[p].outputs.items()})
         faults = run_faults(client, keys, procs.restarts(), summaries)
+        if watch is not None:
+            _shard_faults(faults, watch, keys)
         text = (format_summary(summaries, mode=config.mode, wall_s=wall_s, faults=faults) + "\n"
                 + f"weight sync: {config.weight_sync}\n" + format_outputs(outputs) + "\n" + placed.text())
         log.info("%s", placed.text())
@@ -584,6 +586,24 @@ def _filter_args(config: RunConfig) -> list[str]:
     """DAPO's dynamic sampling: groups whose rewards are all equal (no advantage) are left out, and each
     request draws more prompts (``over_sample_groups``, passed by the trainers) to fill the batch."""
     return ["--filter", "rollout_bus.executor.filters.nonzero_reward_std"] if config.filters_groups() else []
+
+
+def _shard_faults(faults: Any, watch: Any, keys: Any) -> None:
+    """Every other shard's requeued jobs and dead letters in the run's fault counts; a shard that cannot be read
+    (lost) is named instead."""
+    from rollout_bus.events.connection import UNREACHABLE, Guard, ReconnectPolicy
+    from rollout_bus.launch.report import run_faults
+
+    for shard in range(1, len(watch.urls)):
+        if not watch.reachable(shard):
+            faults.unread_shards.append(shard)
+            continue
+        client = watch.client(shard)
+        try:
+            faults.add_shard(run_faults(client, keys, {}, [], guard=Guard(
+                client, ReconnectPolicy(max_wait_s=1.0), name=f"run faults, shard {shard}")))
+        except UNREACHABLE:
+            faults.unread_shards.append(shard)
 
 
 def _follow(config: RunConfig, client: Any, keys: Any, procs: Any, trainers: list[Any], started: float,

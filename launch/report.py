@@ -203,10 +203,21 @@ class RunFaults:
     requeued_jobs: int = 0
     reclaimed_batches: int = 0
     dead_letters: int = 0
+    unread_shards: list[int] = field(default_factory=list)
+    """Shards whose Redis could not be read at the run's end (a lost shard): their counts are not in the figures."""
+
+    def add_shard(self, shard: RunFaults) -> None:
+        """Fold in another shard's bus-side counts (requeued jobs, dead letters; restarts and redeliveries are
+        the run's and the trainers', counted once)."""
+        self.requeued_jobs += shard.requeued_jobs
+        self.dead_letters += shard.dead_letters
 
     def to_dict(self) -> dict[str, Any]:
-        return {"restarts": dict(self.restarts), "requeued_jobs": self.requeued_jobs,
-                "reclaimed_batches": self.reclaimed_batches, "dead_letters": self.dead_letters}
+        out = {"restarts": dict(self.restarts), "requeued_jobs": self.requeued_jobs,
+               "reclaimed_batches": self.reclaimed_batches, "dead_letters": self.dead_letters}
+        if self.unread_shards:
+            out["unread_shards"] = list(self.unread_shards)
+        return out
 
 
 def run_faults(client: Redis, keys: Keys, restarts: dict[str, int], policies: Iterable[PolicySummary], *,
@@ -270,7 +281,9 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
     if faults is not None:
         restarted = ", ".join(f"{name} {n}" for name, n in sorted(faults.restarts.items()) if n) or "none"
         lines.append(f"faults: restarts {restarted}; {faults.requeued_jobs} job(s) requeued, "
-                     f"{faults.reclaimed_batches} batch(es) redelivered, {faults.dead_letters} dead letter(s)")
+                     f"{faults.reclaimed_batches} batch(es) redelivered, {faults.dead_letters} dead letter(s)"
+                     + (f" (shard(s) {', '.join(map(str, faults.unread_shards))} not read: lost)"
+                        if faults.unread_shards else ""))
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """Show a rollout-bus namespace: engines, policies, rq queues, streams, consumer lag, dead letters.
 
     rollout-bus status [--redis-url URL] [--namespace NS] [--json] [--watch SECONDS]
+    rollout-bus status --redis-url A,B,C          # a sharded run: each shard's Redis in turn
     rollout-bus status --serve-metrics 9100      # Prometheus exporter of the bus gauges
     rollout-bus status --check-weights [--engine ID]...   # engines' weights against the published ones
 
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollout-bus status", description=__doc__.split("\n\n")[0])
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                   help="redis:// or rediss:// URL (default $REDIS_URL, else redis://127.0.0.1:6379/0)")
+                   help="redis:// or rediss:// URL (default $REDIS_URL, else redis://127.0.0.1:6379/0); a sharded "
+                        "run's urls A,B,C show each shard")
     p.add_argument("--namespace", default=os.environ.get("ROLLOUT_BUS_NAMESPACE", "default"), type=name_arg("namespace"),
                    help="rollout-bus namespace (default $ROLLOUT_BUS_NAMESPACE or 'default')")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -57,6 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--check-weights runs once: not with --watch or --serve-metrics")
     if args.watch is not None and args.watch <= 0:
         p.error("--watch must be > 0")
+    from rollout_bus.launch.shards import split_urls
+
+    try:
+        args.urls = split_urls(args.redis_url) if args.redis_url else [None]
+    except ValueError as exc:
+        p.error(str(exc))
+    if len(args.urls) > 1 and (args.check_weights or args.serve_metrics is not None):
+        p.error("--check-weights and --serve-metrics take one Redis url: run them once per shard")
     return args
 
 
@@ -162,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps([dataclasses.asdict(a) for a in answers], default=str) if args.json
                   else render_checks(answers), flush=True)
         return code
+    if len(args.urls) > 1:
+        client.close()
+        return _shards(args, keys)
     try:
         while True:
             try:
@@ -182,6 +195,43 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         client.close()
+
+
+def _shards(args: argparse.Namespace, keys: Any) -> int:
+    """Each shard's snapshot in turn (``--json``: one document, ``{"shards": [...]}``); a shard that does not
+    answer is named with the reason and the others are shown. Exit 2 when one could not be read."""
+    from rollout_bus.events.connection import Guard, ReconnectPolicy, probe_client, redis_url
+    from rollout_bus.events.errors import BusError
+    from rollout_bus.events.metrics import bus_snapshot
+
+    clients = [probe_client(redis_url(u), timeout_s=2.0) for u in args.urls]
+    try:
+        while True:
+            docs: list[dict[str, Any]] = []
+            texts: list[str] = []
+            for i, (url, client) in enumerate(zip(args.urls, clients, strict=True)):
+                where = redacted(redis_url(url))
+                try:
+                    snap = bus_snapshot(client, keys, recent_dead_letters=args.dead_letters,
+                                        guard=Guard(client, ReconnectPolicy(max_wait_s=2.0), name=f"shard {i}"))
+                except BusError as exc:
+                    docs.append({"shard": i, "url": where, "error": str(exc)})
+                    texts.append(f"== shard {i} ({where}): cannot read: {exc}")
+                else:
+                    docs.append({"shard": i, "url": where, "snapshot": dataclasses.asdict(snap)})
+                    texts.append(f"== shard {i} ({where})\n{render(snap)}")
+            if args.watch is not None and sys.stdout.isatty():
+                sys.stdout.write("\x1b[2J\x1b[H")
+            print(json.dumps({"shards": docs}, sort_keys=True, default=str) if args.json else "\n\n".join(texts),
+                  flush=True)
+            if args.watch is None:
+                return 2 if any("error" in d for d in docs) else 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for client in clients:
+            client.close()
 
 
 if __name__ == "__main__":
