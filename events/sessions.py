@@ -38,7 +38,7 @@ import msgpack
 import redis
 
 from rollout_bus.events.connection import Guard, ReconnectPolicy, as_str
-from rollout_bus.events.errors import BusUnavailable, Failure
+from rollout_bus.events.errors import BusUnavailable, Failure, RedisCommandError
 from rollout_bus.events.names import Keys, check_name, name_problem
 from rollout_bus.events.publish import PUBLISH_BODY, SEQ_LUA
 
@@ -53,8 +53,10 @@ STATUSES = (OPEN, CLOSED, FAILED, ABANDONED, OVERFLOW)
 ``abandoned`` (no close within the timeout), or ``overflow`` (its context outgrew the model's)."""
 DEFAULT_TTL_S = 24 * 3600
 """How long a session's keys live after their last write."""
-STORE_WAIT_S = 5.0
-"""How long a session call waits for Redis to answer again before it fails (503) instead."""
+STORE_WAIT_S = 1.0
+"""How long a session call waits for Redis to answer again before it fails (503) instead. The gateway calls the
+store from its event loop, so this bounds how long an outage holds the loop per call; a reply lost without the
+connection closing is noticed only at the socket timeout."""
 MAX_STATE_BYTES = 64 << 20
 
 _BEGIN = """
@@ -91,7 +93,13 @@ return 1
 
 _COMMIT = """
 local rev, writer = unpack(redis.call('HMGET', KEYS[1], 'rev', 'writer'))
-if writer == ARGV[1] and rev == tostring(tonumber(ARGV[2]) + 1) then return 'ok' end  -- this commit, sent again
+if writer == ARGV[1] and rev == tostring(tonumber(ARGV[2]) + 1) then
+  -- this call's token wrote the revision after the one it held: the same commit sent again (its reply lost) if it
+  -- carries the same state, else a stale one of that call
+  if redis.call('HGET', KEYS[1], 'state') ~= ARGV[3] then return 'rev' end
+  if ARGV[5] == '1' and redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+  return 'ok'
+end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'lock' end
 if rev ~= ARGV[2] then return 'rev' end
 redis.call('HSET', KEYS[1], 'rev', tostring(tonumber(rev) + 1), 'state', ARGV[3], 'writer', ARGV[1])
@@ -145,8 +153,9 @@ class SessionBusy(SessionError):
 
 class SessionStoreUnavailable(SessionError):
     def __init__(self, why: str) -> None:
-        super().__init__(f"the session store (Redis) does not answer: {why}; nothing of this call was lost, "
-                         "send it again", code="session_store_unavailable", status=503)
+        super().__init__(f"the session store (Redis) does not answer: {why}; this call may or may not have taken "
+                         "effect: send it again once Redis is back (a session then found busy is held by this call's "
+                         "lock until it expires)", code="session_store_unavailable", status=503)
 
 
 class SessionConflict(SessionError):
@@ -283,9 +292,11 @@ class SessionStore:
     def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int = DEFAULT_TTL_S,
                  lock_ms: int = 600_000, guard: Guard | None = None) -> None:
         self.client = client
-        self.guard = guard or Guard(client, ReconnectPolicy(max_wait_s=STORE_WAIT_S, cap_s=0.5), name="sessions")
+        self.guard = guard or Guard(client, ReconnectPolicy(max_wait_s=STORE_WAIT_S, base_s=0.02, cap_s=0.25),
+                                    name="sessions")
         """A call's scripts (``begin``, ``commit``, ``release``) are sent again through a lost connection or reply:
-        each is idempotent for its call's token. Past the budget: ``SessionStoreUnavailable`` (503)."""
+        each is idempotent for its call's token (a commit: for its token and state). Past the budget:
+        ``SessionStoreUnavailable`` (503)."""
         self.keys = keys
         self.ttl_s = int(ttl_s)
         self.lock_ms = int(lock_ms)
@@ -443,6 +454,9 @@ class SessionStore:
             conn.disconnect()
             pool.release(conn)
             return False, None
+        except redis.ResponseError as exc:  # as the plain call, through the guard, raises it
+            pool.release(conn)
+            raise RedisCommandError(str(exc)) from None
         except BaseException:
             pool.release(conn)  # a connection error disconnected it already
             raise

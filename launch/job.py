@@ -590,19 +590,22 @@ def _filter_args(config: RunConfig) -> list[str]:
 
 def _shard_faults(faults: Any, watch: Any, keys: Any) -> None:
     """Every other shard's requeued jobs and dead letters in the run's fault counts; a shard that cannot be read
-    (lost) is named instead."""
+    (lost, or not answering now) is named instead: the run's result stands either way."""
     from rollout_bus.events.connection import UNREACHABLE, Guard, ReconnectPolicy
+    from rollout_bus.events.errors import BusError
     from rollout_bus.launch.report import run_faults
 
+    unread: tuple[type[BaseException], ...] = (BusError, *UNREACHABLE)
     for shard in range(1, len(watch.urls)):
-        if not watch.reachable(shard):
+        if shard in watch.lost:
             faults.unread_shards.append(shard)
             continue
         client = watch.client(shard)
         try:
             faults.add_shard(run_faults(client, keys, {}, [], guard=Guard(
                 client, ReconnectPolicy(max_wait_s=1.0), name=f"run faults, shard {shard}")))
-        except UNREACHABLE:
+        except unread as exc:
+            log.warning("the fault counts of shard %d were not read: %s", shard, exc)
             faults.unread_shards.append(shard)
 
 

@@ -204,7 +204,8 @@ class RunFaults:
     reclaimed_batches: int = 0
     dead_letters: int = 0
     unread_shards: list[int] = field(default_factory=list)
-    """Shards whose Redis could not be read at the run's end (a lost shard): their counts are not in the figures."""
+    """Shards whose Redis could not be read at the run's end (lost, or not answering then): their counts are not in
+    the figures. A request requeued on two shards (moved off a lost one) counts on each."""
 
     def add_shard(self, shard: RunFaults) -> None:
         """Fold in another shard's bus-side counts (requeued jobs, dead letters; restarts and redeliveries are
@@ -282,7 +283,7 @@ def format_summary(policies: Iterable[PolicySummary], *, mode: str, wall_s: floa
         restarted = ", ".join(f"{name} {n}" for name, n in sorted(faults.restarts.items()) if n) or "none"
         lines.append(f"faults: restarts {restarted}; {faults.requeued_jobs} job(s) requeued, "
                      f"{faults.reclaimed_batches} batch(es) redelivered, {faults.dead_letters} dead letter(s)"
-                     + (f" (shard(s) {', '.join(map(str, faults.unread_shards))} not read: lost)"
+                     + (f" (shard(s) {', '.join(map(str, faults.unread_shards))} not read: lost or not answering)"
                         if faults.unread_shards else ""))
     return "\n".join(lines)
 

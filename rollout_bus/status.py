@@ -155,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_bus.events.metrics import bus_snapshot
     from rollout_bus.events.names import Keys
 
-    client = connect(args.redis_url)
     keys = Keys(args.namespace)
+    if len(args.urls) > 1:
+        return _shards(args, keys)
+    client = connect(args.redis_url)
     if args.check_weights:
         from rollout_bus.check_weights import ask
         from rollout_bus.check_weights import render as render_checks
@@ -172,9 +174,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps([dataclasses.asdict(a) for a in answers], default=str) if args.json
                   else render_checks(answers), flush=True)
         return code
-    if len(args.urls) > 1:
-        client.close()
-        return _shards(args, keys)
     try:
         while True:
             try:
@@ -200,21 +199,25 @@ def main(argv: list[str] | None = None) -> int:
 def _shards(args: argparse.Namespace, keys: Any) -> int:
     """Each shard's snapshot in turn (``--json``: one document, ``{"shards": [...]}``); a shard that does not
     answer is named with the reason and the others are shown. Exit 2 when one could not be read."""
-    from rollout_bus.events.connection import Guard, ReconnectPolicy, probe_client, redis_url
+    from rollout_bus.events.connection import UNREACHABLE, Guard, ReconnectPolicy, probe_client, redis_url
     from rollout_bus.events.errors import BusError
     from rollout_bus.events.metrics import bus_snapshot
 
-    clients = [probe_client(redis_url(u), timeout_s=2.0) for u in args.urls]
+    unread: tuple[type[BaseException], ...] = (BusError, ValueError, *UNREACHABLE)
+    clients: dict[int, Any] = {}
     try:
         while True:
             docs: list[dict[str, Any]] = []
             texts: list[str] = []
-            for i, (url, client) in enumerate(zip(args.urls, clients, strict=True)):
+            for i, url in enumerate(args.urls):
                 where = redacted(redis_url(url))
                 try:
+                    if i not in clients:  # made here: a Sentinel shard asks its sentinels first, and may fail
+                        clients[i] = probe_client(redis_url(url), timeout_s=2.0)
+                    client = clients[i]
                     snap = bus_snapshot(client, keys, recent_dead_letters=args.dead_letters,
                                         guard=Guard(client, ReconnectPolicy(max_wait_s=2.0), name=f"shard {i}"))
-                except BusError as exc:
+                except unread as exc:
                     docs.append({"shard": i, "url": where, "error": str(exc)})
                     texts.append(f"== shard {i} ({where}): cannot read: {exc}")
                 else:
@@ -230,8 +233,8 @@ def _shards(args: argparse.Namespace, keys: Any) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for client in clients:
-            client.close()
+        for made in clients.values():
+            made.close()
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def test_one_policy_over_three_redis_primaries_survives_losing_one(shards: list[
     summary = result.summaries[POLICY]
     assert summary["steps"] == STEPS
     assert result.faults["unread_shards"] == [2]  # the fault counts say which shard they could not read
-    assert "shard(s) 2 not read: lost" in result.text
+    assert "shard(s) 2 not read: lost" in result.text, result.text
 
     # every shard took requests before the kill; the ones left served each request exactly once
     live = [served(s.url, keys) for s in shards[:2]]

@@ -123,8 +123,11 @@ async def _refused(url: str, token: int) -> EngineHTTPError:
 
 def _where(pause: Pause, logs: Path, lines: int = 25) -> str:
     alive = pause.thread is not None and pause.thread.is_alive()
-    parts = [f"pause thread {'still running' if alive else 'done'}, error {pause.error!r}, "
-             f"evidence {sorted(pause.evidence)}"]
+    try:
+        seen = sorted(pause.evidence)
+    except RuntimeError:  # the pause thread is writing it now
+        seen = ["(changing)"]
+    parts = [f"pause thread {'still running' if alive else 'done'}, error {pause.error!r}, evidence {seen}"]
     for log_file in sorted(logs.glob("*.log")):
         tail = log_file.read_text(errors="replace").splitlines()[-lines:]
         parts.append(f"--- {log_file.name}\n" + "\n".join(line[:300] for line in tail))

@@ -19,7 +19,7 @@ from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import Producer, SessionTurn
-from rollout_bus.events.sessions import SessionStore, SessionStoreUnavailable, new_state
+from rollout_bus.events.sessions import _COMMIT_PUBLISH, SessionStore, SessionStoreUnavailable, new_state
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.integration
@@ -38,7 +38,10 @@ def store(proxy: TcpProxy, keys: Keys) -> Iterator[SessionStore]:
     client = connect(proxy.url)
     s = SessionStore(client, keys)
     assert s.create(new_state("s", "p", max_context=64))
-    s.update("s", "warm", lambda st: st)  # every script loaded: the dropped reply is the call's own, not a NOSCRIPT
+    s.update("s", "warm", lambda st: st)
+    client.script_load(_COMMIT_PUBLISH)
+    # every script loaded: the dropped reply is the script's own, not a NOSCRIPT answer
+    assert all(client.script_exists(s._begin.sha, s._commit.sha, s._commit_publish.sha))
     yield s
     client.close()
 

@@ -42,7 +42,8 @@ def test_status_shows_each_shard_and_names_the_one_that_does_not_answer(
     assert [list(s["snapshot"]["engines"]) for s in shards[:2]] == [["engine-s0"], ["engine-s1"]]
     assert "snapshot" not in shards[2] and shards[2]["error"]
 
-    code = status.main(["--redis-url", f"{servers[0].url},{servers[1].url}", "--namespace", keys.namespace])
+    bare = [s.url.removesuffix("/0") for s in servers]  # redis://host:port, no db: split at the comma, not in a port
+    code = status.main(["--redis-url", ",".join(bare), "--namespace", keys.namespace])
     text = capsys.readouterr().out
     assert code == 0
     assert "== shard 0" in text and "== shard 1" in text and "engine-s0" in text and "engine-s1" in text

@@ -40,7 +40,11 @@ def test_a_call_sent_again_is_the_same_call(store: SessionStore) -> None:
     store.commit(held, {**before, "engine_id": "e1"}, release=False)
     rev = store.client.hget(store.keys.session("s"), "rev")
     resent = type(held)(held.sid, held.token, again.rev, before, held.tenant)  # the commit as first sent
-    store.commit(resent, {**before, "engine_id": "e2"})  # sent again: done already, nothing written
+    store.commit(resent, {**before, "engine_id": "e1"}, release=False)  # sent again: done already, nothing written
+    assert store.client.hget(store.keys.session("s"), "rev") == rev
+    stale = type(held)(held.sid, held.token, again.rev, before, held.tenant)
+    with pytest.raises(SessionConflict):  # the same token and revision with another state: stale, not "done"
+        store.commit(stale, {**before, "engine_id": "e2"})
     assert store.client.hget(store.keys.session("s"), "rev") == rev
     assert store.get("s")["engine_id"] == "e1"  # type: ignore[index]
     store.commit(held, {**held.state, "engine_id": "e3"})  # the call's next commit (its lock kept) goes through
