@@ -148,6 +148,10 @@ class ControllerBus:
         name = stable_consumer_name(f"controller-{instance}")
         self.weights = WeightStreams(client, keys, name, config)
         self.commands = Consumer(client, keys, keys.command_stream, GROUP, name, config)
+        self.may_read: Callable[[], bool] | None = None
+        """Whether this instance's lease is still good by its own clock (set by the runner). A read into the
+        group makes the entries this consumer's pending ones, which a successor claims only at its takeover: a
+        leader woken from a pause past its lease must not read a version published after that takeover."""
 
     # --- writes, in order, off the loop -----------------------------------------------------
     async def call(self, fn: Callable[[], T]) -> T:
@@ -210,10 +214,18 @@ class ControllerBus:
         return await asyncio.to_thread(self.registry.trainer_lease_owner, policy)
 
     async def read_weights(self) -> list[Message]:
-        return await asyncio.to_thread(self.weights.read)
+        return await asyncio.to_thread(self._gated, self.weights.read)
 
     async def read_commands(self) -> list[Message]:
-        return await asyncio.to_thread(self.commands.read)
+        return await asyncio.to_thread(self._gated, self.commands.read)
+
+    def _gated(self, read: Callable[[], list[Message]]) -> list[Message]:
+        """``read()``, unless the lease is not good any more by this instance's clock (``may_read``): then nothing
+        is read (the runner is about to step down), after the usual wait of an empty read."""
+        if self.may_read is not None and not self.may_read():
+            time.sleep(self.weights.config.block_ms / 1000)
+            return []
+        return read()
 
     async def ack_weights(self, *ids: str) -> None:
         await self.call(lambda: self.weights.ack(*ids))

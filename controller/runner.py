@@ -102,6 +102,9 @@ class LeaderRunner:
         renewer = asyncio.create_task(self._renew(), name="lease-renew")
         service = self.factory()
         self.service = service
+        bus = getattr(getattr(service, "core", None), "bus", None)
+        if bus is not None and hasattr(bus, "may_read"):
+            bus.may_read = self.lease_fresh
         starting = asyncio.create_task(service.start(), name="controller-start")
         stopped = asyncio.create_task(stop.wait())
         lost = asyncio.create_task(self.lost.wait())
@@ -209,6 +212,12 @@ class LeaderRunner:
                             engine.engine_id, engine.pid, holder)
                 await ProcessHandle(engine.pid).stop(grace_s=5.0)
             self.launched.drop(engine.engine_id, engine.pid)
+
+    def lease_fresh(self) -> bool:
+        """Whether the lease is still good by this process's clock: its last good renewal was sent less than the
+        renewal deadline ago (the same deadline ``_renew`` steps down at; a process paused past it wakes with
+        this False)."""
+        return time.monotonic() < self.last_good + self.ttl_s - self.margin_s
 
     async def _renew(self) -> None:
         deadline_s = self.ttl_s - self.margin_s

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -370,3 +371,37 @@ def test_startup_writes_a_launch_record_and_a_restart_never_verifies_it_as_weigh
     assert ctl.core.policies["default"].serving == 2
     again = registry.policy("default")
     assert again is not None and (again.published, again.serving) == (2, 2)  # left as it was
+
+
+def test_a_controller_whose_lease_went_stale_by_its_clock_reads_nothing_into_the_group(tmp_path: Path) -> None:
+    """A leader woken from a pause past its lease must not make a new version its own pending entry (its successor
+    claims pending entries only at its takeover): the bus reads nothing while the runner's clock says the lease is
+    not good any more, and reads it once it is."""
+    from tests.support.controller_driver import publish_weights
+
+    client = fakeredis.FakeRedis()
+    keys = Keys("unit")
+    bus = ControllerBus(client, keys, Producer("controller", "unit"), "unit")
+    bus.weights.config = dataclasses.replace(bus.weights.config, block_ms=10)
+    fresh = False
+    bus.may_read = lambda: fresh
+    publish_weights(client, keys, "default", 1, str(tmp_path), "0" * 64)
+    bus.weights.discover()
+    bus.weights.consumers[keys.weight_stream("default")].ensure_group()
+
+    assert asyncio.run(bus.read_weights()) == []
+    assert client.xpending(keys.weight_stream("default"), "controller")["pending"] == 0  # not read: nobody holds it
+    fresh = True
+    read = asyncio.run(bus.read_weights())
+    assert [m.event.version for m in read] == [1]  # type: ignore[attr-defined]
+    bus.close()
+
+
+def test_the_runner_says_its_lease_is_stale_past_the_renewal_deadline() -> None:
+    from rollout_bus.controller.runner import LeaderRunner
+
+    runner = LeaderRunner(None, lambda: None, ttl_s=2.0)  # type: ignore[arg-type]
+    runner.last_good = time.monotonic()
+    assert runner.lease_fresh()
+    runner.last_good = time.monotonic() - 1.6  # past ttl - margin (1.5 s): a renewal this late means step down
+    assert not runner.lease_fresh()
