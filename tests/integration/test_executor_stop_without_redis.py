@@ -57,6 +57,9 @@ def test_an_executor_that_gets_sigterm_while_redis_is_gone_exits(keys: Keys, eng
             request = RolloutRequest.create("p", 0, 1, 2, sampling=SamplingParams(max_new_tokens=40), timeout_s=600)
             RolloutSubmitter(client, keys).submit(request)
             wait_for("the job started", lambda: bool(rollout_events(client, keys, "RolloutStarted")), 60)
+            # in its engine call (RolloutStarted comes before the job reads its prompt from Redis: a kill of Redis
+            # then would leave the job waiting on that read, never on the registry after the engine's death)
+            wait_for("the job's call running on the engine", lambda: engine.state()["running"] >= 1, 60)
         else:
             wait_for("the executor's worker registered",
                      lambda: any(k.endswith(b"-executor-0") for k in client.scan_iter("rq:worker:*")), 60)
