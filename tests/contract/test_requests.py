@@ -78,7 +78,17 @@ async def held(harness: Harness, client: EngineClient, count: int) -> list[async
     harness.tm.hold.set()
     tasks = [asyncio.create_task(client.generate([1, 2, 3], {"max_new_tokens": 4}, rid=f"held-{i}"))
              for i in range(count)]
+    deadline = asyncio.get_running_loop().time() + 30.0
     while len(harness.tm.inflight) < before + count:
+        ended = [t for t in tasks if t.done()]
+        if ended or asyncio.get_running_loop().time() > deadline:  # a call that never got in flight: say why
+            harness.tm.hold.clear()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            why = [repr(t.exception()) if not t.cancelled() and t.exception() else "no reply" for t in ended]
+            raise AssertionError(f"{len(harness.tm.inflight) - before} of {count} held calls in flight after "
+                                 f"{'an early end' if ended else '30 s'}: {why or 'none ended'}")
         await asyncio.sleep(0.01)
     return tasks
 
