@@ -766,7 +766,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for line in kill_report(killed):
             print(line)
     print(f"\n# {INSTRUMENT}")
-    print(f"# load: {load.describe()}" + (f"; figures only, no verdict: {load.problem()}" if load.problem() else ""))
+    print(f"# load (the 1-minute load average before; other processes' CPU while it ran): {load.describe()}" + (f"; figures only, no verdict: {load.problem()}" if load.problem() else ""))
     summary = {"load_before": load.before, "loadavg": loadavg, "outside_share": load.outside_share,
                "windows": [vars(w) | {"redis_us": w.redis_us, "capacity": w.capacity} for w in windows],
                "ratios": {k: shard_ratios(windows, k) for k in ks if k != 1}}

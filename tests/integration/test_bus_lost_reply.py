@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import redis
 
 from rollout_bus.events.connection import Guard, ReconnectPolicy, connect
 from rollout_bus.events.consume import Consumer, ConsumerConfig
-from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import EngineReady, Producer
@@ -17,13 +14,6 @@ from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.integration
 PRODUCER = Producer("test", "0")
-
-
-@pytest.fixture()
-def proxy(redis_server: RedisServer) -> Iterator[TcpProxy]:
-    p = TcpProxy(redis_server.port).start()
-    yield p
-    p.close()
 
 
 def test_a_lost_xreadgroup_reply_counts_as_an_outage_and_its_entries_come_back_on_the_next_read(

@@ -15,7 +15,6 @@ import pytest
 import redis
 
 from rollout_bus.events.connection import connect
-from rollout_bus.events.embedded import RedisServer
 from rollout_bus.events.names import Keys
 from rollout_bus.events.publish import Publisher
 from rollout_bus.events.schema import Producer, SessionTurn
@@ -24,13 +23,6 @@ from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.integration
 PRODUCER = Producer("gateway", "t")
-
-
-@pytest.fixture()
-def proxy(redis_server: RedisServer) -> Iterator[TcpProxy]:
-    p = TcpProxy(redis_server.port).start()
-    yield p
-    p.close()
 
 
 @pytest.fixture()
